@@ -1,0 +1,177 @@
+"""Turn a torch module or ONNX model into a ready `Engine`: graphs, flat buffers, optimizer, session.
+
+Runs once, on the first `train_step`/`eval_step` (the exporter needs real inputs to trace).
+Order: export -> decide trainable/frozen -> graph passes -> onnxblock -> buffers -> session.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import numpy_helper
+
+from optim import FlatLayout, FlatOptimizer
+
+from ._export import export_torch_model, onnx_model_parameters
+from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
+from ._session import DeviceSpec, TrainingSession, build_training_graphs
+from .model_desc import ModelDescription
+
+__all__ = ["Engine", "build_engine"]
+
+
+@dataclass
+class Engine:
+    """Everything a built trainer owns. Parameter/gradient views share the flat buffers' storage."""
+
+    layout: FlatLayout
+    params: torch.Tensor  # flat fp32 master weights (trainable only)
+    grads: torch.Tensor  # flat gradient accumulation buffer, same layout
+    param_views: dict[str, torch.Tensor]
+    grad_views: dict[str, torch.Tensor]
+    frozen: dict[str, torch.Tensor]  # non-trainable float state (frozen weights, buffers), by ONNX name
+    optimizer: FlatOptimizer
+    session: TrainingSession
+    eval_model: onnx.ModelProto  # eval graph with parameters as inputs (for save_as_onnx)
+    input_dtypes: tuple[torch.dtype, ...]
+    fqn_to_onnx: dict[str, str] = field(default_factory=dict)
+    bn_stats: list[BatchNormStats] = field(default_factory=list)
+    batches_tracked: int = 0  # BatchNorm forward passes in training mode (torch's num_batches_tracked)
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """What `build_engine` needs from the trainer."""
+
+    model: torch.nn.Module | onnx.ModelProto
+    loss_fn: Callable | None
+    desc: ModelDescription
+    optim_config: object
+    frozen_weights: Sequence[str]
+    opset_version: int
+    device: DeviceSpec
+    session_options: ort.SessionOptions
+    graph_save_paths: object | None = None
+    initial_state: Mapping[str, torch.Tensor] | None = None  # torch values captured before export
+
+
+def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
+    forward, fqn_to_onnx, not_trainable, initial = _forward_model(request, sample_inputs)
+    bn_stats = surface_batchnorm_statistics(forward)
+    add_optional_outputs(forward)
+    _save_graph(request, "model_after_graph_transforms_path", forward)
+    params = [n for n in _float_initializers(forward) if n in initial]
+    always = not_trainable | {n for s in bn_stats for n in _stat_inputs(s)}
+    frozen = _frozen_names(request.frozen_weights, fqn_to_onnx, params, always)
+    trainable = [n for n in params if n not in frozen]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters left after applying options.utils.frozen_weights")
+    request.optim_config.check_param_names(trainable)
+    order = {name: i for i, name in enumerate(trainable)}
+    trainable.sort(key=lambda n: (request.optim_config.group_index(n), order[n]))
+    outputs = _loss_first(request.desc) + [
+        o.name for o in forward.graph.output if o.name not in request.desc.output_names
+    ]
+    train_model, eval_model = build_training_graphs(forward, trainable, sorted(frozen), outputs)
+    _save_graph(request, "model_with_gradient_graph_path", train_model)
+    _save_graph(request, "model_with_training_graph_path", train_model)
+    return _assemble(request, sample_inputs, trainable, frozen, initial, train_model, eval_model, bn_stats, fqn_to_onnx)
+
+
+def _assemble(request, sample_inputs, trainable, frozen, initial, train_model, eval_model, bn_stats, fqn_to_onnx):
+    device = request.device.torch_device
+    not_fp32 = sorted(f"{n} ({initial[n].dtype})" for n in trainable if initial[n].dtype != torch.float32)
+    if not_fp32:
+        raise TypeError(f"trainable parameters must be float32, got: {not_fp32}")
+    layout = FlatLayout([(name, tuple(initial[name].shape)) for name in trainable])
+    params = torch.empty(layout.numel, dtype=torch.float32, device=device)
+    grads = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+    param_views, grad_views = layout.views(params), layout.views(grads)
+    for name, view in param_views.items():
+        view.copy_(initial[name])
+    frozen_state = {name: initial[name].detach().to(device=device, dtype=torch.float32).clone() for name in frozen}
+    optimizer = FlatOptimizer(request.optim_config, layout, params, grads)
+    session = TrainingSession(
+        train_model,
+        eval_model,
+        param_views,
+        grad_views,
+        frozen_state,
+        bn_stats,
+        request.desc.output_names,
+        request.device,
+        request.session_options,
+    )
+    return Engine(
+        layout=layout,
+        params=params,
+        grads=grads,
+        param_views=param_views,
+        grad_views=grad_views,
+        frozen=frozen_state,
+        optimizer=optimizer,
+        session=session,
+        eval_model=eval_model,
+        input_dtypes=tuple(t.dtype for t in sample_inputs),
+        fqn_to_onnx=fqn_to_onnx,
+        bn_stats=bn_stats,
+    )
+
+
+def _forward_model(request: BuildRequest, sample_inputs):
+    """The forward ONNX graph, FQN map, names that are never trainable, and initial float values."""
+    if isinstance(request.model, onnx.ModelProto):
+        forward = copy.deepcopy(request.model)
+        names = set(onnx_model_parameters(forward))
+        initial = {
+            init.name: torch.from_numpy(numpy_helper.to_array(init).copy())
+            for init in forward.graph.initializer
+            if init.name in names
+        }
+        return forward, {n: n for n in names}, set(), initial
+    exported = export_torch_model(request.model, request.loss_fn, request.desc, sample_inputs, request.opset_version)
+    initial = {}
+    for fqn, onnx_name in exported.fqn_to_onnx.items():
+        if onnx_name not in initial and request.initial_state is not None and fqn in request.initial_state:
+            initial[onnx_name] = request.initial_state[fqn]
+    return exported.model, exported.fqn_to_onnx, exported.buffers | exported.no_grad, initial
+
+
+def _float_initializers(model: onnx.ModelProto) -> list[str]:
+    return onnx_model_parameters(model)
+
+
+def _stat_inputs(stat: BatchNormStats) -> tuple[str, str]:
+    return stat.running_mean, stat.running_var
+
+
+def _frozen_names(
+    frozen_weights: Sequence[str], fqn_to_onnx: Mapping[str, str], params: Sequence[str], always_frozen: set[str]
+) -> set[str]:
+    """Frozen = the user's ``frozen_weights`` (any FQN of a tied weight works) + buffers/no-grad params."""
+    known = set(params)
+    wanted = {fqn_to_onnx.get(name, name) for name in frozen_weights}
+    missing = sorted(name for name in frozen_weights if fqn_to_onnx.get(name, name) not in known)
+    if missing:
+        raise ValueError(
+            f"options.utils.frozen_weights names {missing}, which are not parameters of the model graph; "
+            f"known parameters: {sorted(known)}"
+        )
+    return (wanted | always_frozen) & known
+
+
+def _loss_first(desc: ModelDescription) -> list[str]:
+    names = list(desc.output_names)
+    loss = names.pop(desc.loss_index)
+    return [loss, *names]
+
+
+def _save_graph(request: BuildRequest, attribute: str, model: onnx.ModelProto) -> None:
+    path = getattr(request.graph_save_paths, attribute, "") if request.graph_save_paths is not None else ""
+    if path:
+        onnx.save(model, path)

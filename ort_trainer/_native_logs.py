@@ -1,0 +1,40 @@
+"""Silence ONNX Runtime's native INFO chatter while building graphs.
+
+`get_optimized_model` and the gradient builder log every graph transformer at INFO level straight to
+file descriptor 2, ignoring `set_default_logger_severity`. We capture fd 2 around those calls and
+re-emit only warnings and errors, so users still see what matters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+
+__all__ = ["quiet_native_info_logs"]
+
+_INFO_MARKERS = ("[I:onnxruntime", "[V:onnxruntime")
+
+
+@contextlib.contextmanager
+def quiet_native_info_logs() -> Iterator[None]:
+    """Redirect fd 2 to a temp file for the block; forward non-INFO lines to stderr afterwards."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except OSError:  # no usable fd 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            for line in capture.read().decode(errors="replace").splitlines():
+                if line and not any(marker in line for marker in _INFO_MARKERS):
+                    print(line, file=sys.stderr)

@@ -1,0 +1,176 @@
+"""The engine: training/eval graphs from onnxblock, run in ONNX Runtime over our flat torch buffers.
+
+`TrainingSession` is the modern stand-in for the legacy backend session. Parameters and gradient
+buffers are views of two flat torch tensors, handed to ONNX Runtime zero-copy through DLPack and
+bound once to an `IOBinding`; a step binds only the user inputs and the outputs, then runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnxruntime.capi import _pybind_state as _C
+from onnxruntime.training import onnxblock
+
+from ._graph_passes import BatchNormStats, strip_batchnorm_statistics
+from ._native_logs import quiet_native_info_logs
+
+__all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
+
+_LAZY_RESET = "lazy_reset_grad"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Where buffers live and which execution providers run the graphs."""
+
+    torch_device: torch.device
+    providers: list
+
+    @property
+    def binding_type(self) -> str:
+        return "cuda" if self.torch_device.type == "cuda" else "cpu"
+
+    @property
+    def binding_id(self) -> int:
+        return self.torch_device.index or 0
+
+
+def resolve_device(device_id: str, provider_options: Mapping[str, Mapping] | None = None) -> DeviceSpec:
+    """Map ``options.device.id`` ("cpu", "cuda", "cuda:N") to a torch device and ORT providers."""
+    provider_options = dict(provider_options or {})
+    if device_id == "cpu":
+        cpu_opts = dict(provider_options.get("CPUExecutionProvider", {}))
+        return DeviceSpec(torch.device("cpu"), [("CPUExecutionProvider", cpu_opts)])
+    index = int(device_id.split(":", 1)[1]) if ":" in device_id else 0
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise RuntimeError(
+            f"options.device.id={device_id!r} needs ONNX Runtime's CUDAExecutionProvider, but this onnxruntime "
+            f"build only has {available}; install a CUDA build of onnxruntime-training or use device.id='cpu'"
+        )
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise RuntimeError(f"options.device.id={device_id!r}: torch sees {torch.cuda.device_count()} CUDA devices")
+    cuda_opts = {"device_id": index, **provider_options.get("CUDAExecutionProvider", {})}
+    return DeviceSpec(torch.device("cuda", index), [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"])
+
+
+def to_ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
+    """Zero-copy OrtValue over a contiguous torch tensor. The caller keeps ``tensor`` alive."""
+    return ort.OrtValue(_C.OrtValue.from_dlpack(tensor.__dlpack__(), tensor.dtype == torch.bool))
+
+
+def _to_torch(value: ort.OrtValue) -> torch.Tensor:
+    return torch.utils.dlpack.from_dlpack(value._ortvalue.to_dlpack())
+
+
+class _ExistingLoss(onnxblock.TrainingBlock):
+    """A training block whose loss is already a graph output: backprop starts from it."""
+
+    def build(self, *output_names: str) -> list[str]:
+        return list(output_names)
+
+
+def build_training_graphs(
+    forward: onnx.ModelProto, trainable: Sequence[str], frozen: Sequence[str], outputs: Sequence[str]
+) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """Gradient graph (with in-place gradient accumulation) and eval graph; ``outputs[0]`` is the loss."""
+    block = _ExistingLoss()
+    for name in trainable:
+        block.requires_grad(name, True)
+    for name in frozen:
+        block.requires_grad(name, False)
+    with quiet_native_info_logs(), onnxblock.base(forward):
+        block(*outputs)
+    return block.to_model_proto()
+
+
+class TrainingSession:
+    """Owns the ORT sessions and their bindings over the trainer's buffers."""
+
+    def __init__(
+        self,
+        train_model: onnx.ModelProto,
+        eval_model: onnx.ModelProto,
+        params: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        frozen: Mapping[str, torch.Tensor],
+        bn_stats: Sequence[BatchNormStats],
+        user_outputs: Sequence[str],
+        device: DeviceSpec,
+        session_options: ort.SessionOptions,
+    ):
+        self._device = device
+        self._user_outputs = list(user_outputs)
+        self._bn_stats = list(bn_stats)
+        self._frozen = frozen
+        strip_batchnorm_statistics(eval_model, self._bn_stats)
+        with quiet_native_info_logs():
+            self._train = ort.InferenceSession(train_model.SerializeToString(), session_options, device.providers)
+            self._eval = ort.InferenceSession(eval_model.SerializeToString(), session_options, device.providers)
+        self._train_outputs = [o.name for o in self._train.get_outputs()]
+        self._eval_outputs = [o.name for o in self._eval.get_outputs()]
+        self._reset_flags = {flag: np.array([flag]) for flag in (True, False)}  # kept alive: ORT shares them
+        self._reset_values = {flag: ort.OrtValue.ortvalue_from_numpy(a) for flag, a in self._reset_flags.items()}
+        state = {**params, **frozen}
+        self._train_io = self._bind_state(self._train, state, grads)
+        self._eval_io = self._bind_state(self._eval, state, {})
+
+    @property
+    def train_input_names(self) -> list[str]:
+        return [i.name for i in self._train.get_inputs()]
+
+    def _bind_state(self, session, state, grads) -> ort.IOBinding:
+        binding = session.io_binding()
+        wanted = {i.name for i in session.get_inputs()}
+        for name, tensor in state.items():
+            if name in wanted:
+                binding.bind_ortvalue_input(name, to_ortvalue(tensor))
+        for name, tensor in grads.items():
+            binding.bind_ortvalue_input(f"{name}_grad.accumulation.buffer", to_ortvalue(tensor))
+        return binding
+
+    def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
+        """One forward+backward; gradients accumulate into the bound buffers (overwrite if ``reset_grad``)."""
+        io = self._train_io
+        io.bind_ortvalue_input(_LAZY_RESET, self._reset_values[bool(reset_grad)])
+        outputs = self._run(self._train, io, inputs, self._train_outputs)
+        self._update_batchnorm_statistics(outputs)
+        return {name: outputs[name] for name in self._user_outputs}
+
+    def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        outputs = self._run(self._eval, self._eval_io, inputs, self._eval_outputs)
+        return {name: outputs[name] for name in self._user_outputs if name in outputs}
+
+    def _run(self, session, io, inputs, output_names) -> dict[str, torch.Tensor]:
+        keep_alive = []
+        for name, tensor in inputs.items():
+            tensor = tensor.contiguous()
+            keep_alive.append(tensor)
+            io.bind_ortvalue_input(name, to_ortvalue(tensor))
+        # Fresh outputs every run: ORT would otherwise reuse last run's buffers, which we handed out.
+        io.clear_binding_outputs()
+        for name in output_names:
+            io.bind_output(name, self._device.binding_type, self._device.binding_id)
+        session.run_with_iobinding(io)
+        values = io.get_outputs()
+        del keep_alive
+        return {name: _to_torch(value) for name, value in zip(output_names, values, strict=True)}
+
+    def _update_batchnorm_statistics(self, outputs: Mapping[str, torch.Tensor]) -> None:
+        """Write ORT's new running stats back, with PyTorch's unbiased variance (n/(n-1))."""
+        for stat in self._bn_stats:
+            mean, var = self._frozen[stat.running_mean], self._frozen[stat.running_var]
+            shape = outputs[stat.input_shape_output].tolist()
+            n = int(np.prod(shape)) // max(int(shape[1]), 1)
+            kept = var * stat.momentum
+            new_var = outputs[stat.new_var_output].to(var.device)
+            if n > 1:
+                new_var = kept + (new_var - kept) * (n / (n - 1))
+            var.copy_(new_var)
+            mean.copy_(outputs[stat.new_mean_output])

@@ -1,0 +1,259 @@
+"""`ORTTrainer`: train a PyTorch module or an ONNX model with ONNX Runtime.
+
+Public methods validate their arguments, then delegate to short private steps. The heavy lifting
+lives elsewhere: `_build` (export + graphs + buffers), `_session` (ORT runs), `optim` (updates),
+`_state` (state dicts) and `checkpoint` (files).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+import torch
+
+from optim.config import _OptimizerConfig
+
+from . import _state
+from ._build import BuildRequest, Engine, build_engine
+from ._session import resolve_device
+from .model_desc import ModelDescription, check_inputs, validate_model_desc
+from .options import ORTTrainerOptions
+from .train_step_info import TrainStepInfo
+
+__all__ = ["ORTTrainer"]
+
+
+class ORTTrainer:
+    """Trains ``model`` on ONNX Runtime with the optimizer described by ``optim_config``.
+
+    ``model`` is a ``torch.nn.Module`` (optionally with ``loss_fn(prediction, label)``; the loss becomes
+    the first output and the label the last input) or an ``onnx.ModelProto`` whose loss output is flagged
+    ``is_loss=True`` in ``model_desc``. Export and graph building happen on the first step.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | onnx.ModelProto,
+        model_desc: Mapping[str, Any],
+        optim_config: _OptimizerConfig,
+        loss_fn: Callable | None = None,
+        options: ORTTrainerOptions | Mapping[str, Any] | None = None,
+    ):
+        if not isinstance(model, torch.nn.Module | onnx.ModelProto):
+            raise TypeError(f"model must be a torch.nn.Module or an onnx.ModelProto, got {type(model).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+        if loss_fn is not None and isinstance(model, onnx.ModelProto):
+            raise ValueError("loss_fn is not allowed with an ONNX model: the loss must be an output of the graph")
+        if not isinstance(optim_config, _OptimizerConfig):
+            raise TypeError(
+                "optim_config must be an optim.AdamConfig, optim.LambConfig or optim.SGDConfig, "
+                f"got {type(optim_config).__name__}"
+            )
+        self.options = ORTTrainerOptions(options)
+        self.options.check_implemented()
+        self.model_desc: ModelDescription = validate_model_desc(model_desc, require_loss=True)
+        self.optim_config = optim_config
+        self.loss_fn = loss_fn
+        self._model = model
+        self._device = resolve_device(self.options.device.id, self.options.provider_options)
+        self._train_step_info = TrainStepInfo(optim_config)
+        self._engine: Engine | None = None
+        self._pending_state: tuple[Mapping, bool] | None = None
+        self._initial_state = _state.capture_torch_state(model) if isinstance(model, torch.nn.Module) else None
+        if isinstance(model, onnx.ModelProto):
+            _check_onnx_io(model, self.model_desc)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def train_step_info(self) -> TrainStepInfo:
+        """Counters of this run (``step``, ``optimization_step``), ``all_finite`` and the ``fetches`` list."""
+        return self._train_step_info
+
+    @property
+    def is_built(self) -> bool:
+        return self._engine is not None
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """Forward + backward (+ optimizer update every ``gradient_accumulation_steps`` calls).
+
+        Returns the loss (or all ``model_desc`` outputs, or the ``fetches``) of the forward pass that ran
+        before this step's update, as the legacy ORTTrainer did.
+        """
+        inputs = self._gather_inputs(args, kwargs)
+        engine = self._ensure_built(inputs)
+        info = self._train_step_info
+        info.step += 1
+        lr = self._current_lr()
+        accumulation = self.options.batch.gradient_accumulation_steps
+        first_micro_step = (info.step - 1) % accumulation == 0
+        outputs = engine.session.run_train(
+            dict(zip(self.model_desc.input_names, inputs, strict=True)), first_micro_step
+        )
+        if engine.bn_stats:
+            engine.batches_tracked += 1
+        if info.step % accumulation == 0:
+            # Gradients hold the sum over the micro-steps: dividing by `accumulation` is folded into the
+            # optimizer's gradient divisor, which also keeps clipping exactly as on averaged gradients.
+            engine.optimizer.step(lr, loss_scale=float(accumulation), clip=self.options.utils.grad_norm_clip)
+            info.optimization_step += 1
+        return self._select_outputs(outputs)
+
+    def eval_step(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """Forward pass of the eval graph (dropout off, BatchNorm with running statistics)."""
+        inputs = self._gather_inputs(args, kwargs)
+        engine = self._ensure_built(inputs)
+        outputs = engine.session.run_eval(dict(zip(self.model_desc.input_names, inputs, strict=True)))
+        return self._select_outputs(outputs)
+
+    # ------------------------------------------------------------------ export
+    def save_as_onnx(self, path: str | os.PathLike) -> None:
+        """Write the eval graph with the current trained weights as initializers.
+
+        The file loads in a plain ``onnxruntime.InferenceSession`` (it still computes the loss, so feed
+        the label) and gives the same outputs as ``eval_step``.
+        """
+        target = _check_output_path(path)
+        engine = self._require_engine("save_as_onnx")
+        onnx.save(_state.eval_model_with_weights(engine), os.fspath(target))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, pytorch_format: bool = False) -> dict:
+        """The trainer state in the legacy layout (or ``{torch_fqn: tensor}`` with ``pytorch_format``)."""
+        return _state.trainer_state_dict(self, pytorch_format=pytorch_format)
+
+    def load_state_dict(self, state_dict: Mapping, strict: bool = True) -> None:
+        """Validate ``state_dict`` completely, then copy it into the live buffers (two phases)."""
+        _state.load_trainer_state_dict(self, state_dict, strict=strict)
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        user_dict: Mapping | None = None,
+        include_optimizer_states: bool = True,
+        overwrite: bool = False,
+    ) -> None:
+        """Atomically write ``state_dict()`` (+ ``user_dict``) to an HDF5 checkpoint at ``path``."""
+        from ._checkpointing import save_trainer_checkpoint
+
+        save_trainer_checkpoint(self, path, user_dict, include_optimizer_states, overwrite)
+
+    def load_checkpoint(self, *paths: str | os.PathLike, strict: bool = True, allow_pickle: bool = False) -> dict:
+        """Load one checkpoint (or a partitioned set) into this trainer; returns the stored ``user_dict``."""
+        from ._checkpointing import load_trainer_checkpoint
+
+        return load_trainer_checkpoint(self, paths, strict=strict, allow_pickle=allow_pickle)
+
+    # ------------------------------------------------------------------ private steps
+    def _gather_inputs(self, args: Sequence, kwargs: Mapping) -> list[torch.Tensor]:
+        names = self.model_desc.input_names
+        if len(args) > len(names):
+            raise ValueError(f"got {len(args)} positional inputs, but model_desc declares {len(names)}: {list(names)}")
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ValueError(f"unknown named inputs {unknown}; model_desc inputs are {list(names)}")
+        twice = sorted(set(names[: len(args)]) & set(kwargs))
+        if twice:
+            raise ValueError(f"inputs {twice} were given both positionally and by name")
+        inputs = list(args) + [kwargs[n] for n in names[len(args) :] if n in kwargs]
+        if len(inputs) != len(names):
+            missing = [n for n in names[len(args) :] if n not in kwargs]
+            raise ValueError(f"missing inputs {missing}; model_desc inputs are {list(names)}")
+        check_inputs(self.model_desc, inputs)
+        if self._engine is not None:
+            _check_dtypes(names, inputs, self._engine.input_dtypes)
+        return [t.to(self._device.torch_device) if t.device != self._device.torch_device else t for t in inputs]
+
+    def _ensure_built(self, inputs: Sequence[torch.Tensor]) -> Engine:
+        if self._engine is None:
+            self._engine = build_engine(self._build_request(), inputs)
+            if self.options.debug.check_model_export:
+                _state.check_model_export(self, inputs)
+            if self._pending_state is not None:
+                pending, strict = self._pending_state
+                self._pending_state = None
+                _state.load_trainer_state_dict(self, pending, strict=strict)
+        return self._engine
+
+    def _build_request(self) -> BuildRequest:
+        return BuildRequest(
+            model=self._model,
+            loss_fn=self.loss_fn,
+            desc=self.model_desc,
+            optim_config=self.optim_config,
+            frozen_weights=tuple(self.options.utils.frozen_weights),
+            opset_version=self.options._internal_use.onnx_opset_version,
+            device=self._device,
+            session_options=self._session_options(),
+            graph_save_paths=self.options.debug.graph_save_paths,
+            initial_state=self._initial_state,
+        )
+
+    def _session_options(self) -> ort.SessionOptions:
+        given = self.options.session_options
+        options = given if given is not None else ort.SessionOptions()
+        if self.options.debug.deterministic_compute:
+            options.use_deterministic_compute = True
+        optimized_path = self.options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
+        if optimized_path:
+            options.optimized_model_filepath = optimized_path
+        return options
+
+    def _require_engine(self, what: str) -> Engine:
+        if self._engine is None:
+            raise RuntimeError(
+                f"{what} needs the ONNX graphs, which are built on the first train_step or eval_step; "
+                "run one step first"
+            )
+        return self._engine
+
+    def _current_lr(self) -> float:
+        scheduler = self.options.lr_scheduler
+        if scheduler is None:
+            return float(self.optim_config.lr)
+        return float(scheduler._step(self._train_step_info)[0])
+
+    def _select_outputs(self, outputs: Mapping[str, torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+        fetches = list(self._train_step_info.fetches or [])
+        names = fetches or [n for n in self.model_desc.output_names if n in outputs]
+        unknown = sorted(set(names) - set(outputs))
+        if unknown:
+            raise ValueError(f"fetches {unknown} are not outputs of the model; available: {sorted(outputs)}")
+        results = [outputs[n] for n in names]
+        return results[0] if len(results) == 1 else results
+
+
+def _check_onnx_io(model: onnx.ModelProto, desc: ModelDescription) -> None:
+    initializers = {init.name for init in model.graph.initializer}
+    graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
+    graph_outputs = [o.name for o in model.graph.output]
+    missing_in = [n for n in desc.input_names if n not in graph_inputs]
+    missing_out = [n for n in desc.output_names if n not in graph_outputs]
+    if missing_in or missing_out:
+        raise ValueError(
+            f"model_desc does not match the ONNX model: inputs {missing_in} / outputs {missing_out} are not in "
+            f"the graph (graph inputs {graph_inputs}, graph outputs {graph_outputs})"
+        )
+
+
+def _check_dtypes(names: Sequence[str], inputs: Sequence[torch.Tensor], expected: Sequence[torch.dtype]) -> None:
+    for name, tensor, dtype in zip(names, inputs, expected, strict=True):
+        if tensor.dtype != dtype:
+            raise TypeError(f"input {name!r} has dtype {tensor.dtype}, but the graph was built for {dtype}")
+
+
+def _check_output_path(path: str | os.PathLike) -> Path:
+    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+        raise ValueError(f"path must be a non-empty str or os.PathLike, got {path!r}")
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"path {str(target)!r} is a directory; give a file name such as model.onnx")
+    if not target.parent.is_dir():
+        raise ValueError(f"cannot write {str(target)!r}: folder {str(target.parent)!r} does not exist")
+    return target
