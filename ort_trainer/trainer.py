@@ -197,7 +197,10 @@ class ORTTrainer:
 
     def _session_options(self) -> ort.SessionOptions:
         given = self.options.session_options
-        options = given if given is not None else ort.SessionOptions()
+        options = given
+        if options is None:
+            options = ort.SessionOptions()
+            options.log_severity_level = 3  # ORT warns about every unused exporter constant otherwise
         if self.options.debug.deterministic_compute:
             options.use_deterministic_compute = True
         optimized_path = self.options.debug.graph_save_paths.model_with_training_graph_after_optimization_path

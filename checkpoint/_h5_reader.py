@@ -1,0 +1,387 @@
+"""Validated, checksummed reading of HDF5 checkpoints (ours and the legacy ORTTrainer's).
+
+Opening validates in this order: file exists, is HDF5, opens, root attributes (format name and
+version), every object is safe (no links, external or virtual data, plugin filters), the structure
+digest matches. Only then is any payload read, and each payload is checked against its CRC-32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import h5py
+import numpy as np
+import torch
+
+from . import _schema as S
+from ._codec import bits_dtype, crc32_array, crc32_strings, decode_python_value, numpy_to_torch_dtype
+from ._h5_index import Node, h5_guard, scan_file, tree_digest
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointKeyError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
+
+__all__ = ["CheckpointReader", "DatasetInfo", "load", "open_checkpoint"]
+
+Key = str | Sequence[str] | None
+_ARRAY_TYPES = frozenset({S.PY_TENSOR, S.PY_NDARRAY, S.PY_NUMPY_SCALAR})
+_PY_CLASSES = {S.PY_INT: int, S.PY_FLOAT: float, S.PY_BOOL: bool, S.PY_STR: str, S.PY_BYTES: bytes,
+               S.PY_NONE: type(None), S.PY_LIST: list, S.PY_TUPLE: tuple}  # fmt: skip
+_THREADED_CRC_BYTES = 1 << 20
+_VERIFY_CHUNK_BYTES = 16 << 20
+
+
+class DatasetInfo(NamedTuple):
+    """Shape and type of a stored value, known without reading it.
+
+    ``dtype`` is a ``torch.dtype`` for array data (loaded as tensors) and the python type
+    (``int``, ``str``, ``list``, ...) for values that load as python objects.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | type
+
+
+def _split_key(key: Key) -> tuple[str, ...]:
+    """'a/b' -> ('a', 'b'); a tuple/list of names addresses keys that themselves contain '/'."""
+    if key is None:
+        return ()
+    if isinstance(key, str):
+        return tuple(part for part in key.split("/") if part)
+    return tuple(key)
+
+
+def _open_h5(path: Path) -> h5py.File:
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such checkpoint file")
+    if path.is_dir():
+        raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file")
+    if not h5py.is_hdf5(path):
+        raise CheckpointFormatError(
+            f"{path} is not an HDF5 file; expected a checkpoint written by checkpoint.save or the legacy ORTTrainer"
+        )
+    with h5_guard(str(path), "/ (file header)"):
+        return h5py.File(path, "r")
+
+
+def _format_version(path: Path, attrs: dict[str, Any]) -> int:
+    """Check the root attributes: 0 for a legacy file, else our (supported) format version."""
+    if not attrs:
+        return S.LEGACY_FORMAT_VERSION
+    fmt, version = attrs.get(S.ATTR_FORMAT), attrs.get(S.ATTR_FORMAT_VERSION)
+    if isinstance(version, int) and version > S.FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"{path} has checkpoint format version {version}, newer than the newest this library reads "
+            f"({S.FORMAT_VERSION}); upgrade ort_trainer to read it"
+        )
+    if fmt != S.FORMAT_NAME:
+        raise CheckpointFormatError(f"{path}: root attribute {S.ATTR_FORMAT}={fmt!r}, expected {S.FORMAT_NAME!r}")
+    if version != S.FORMAT_VERSION or S.ATTR_TREE_CRC32 not in attrs:
+        raise CheckpointCorruptError(
+            f"{path}: damaged root attributes ({S.ATTR_FORMAT_VERSION}={version!r}, "
+            f"{S.ATTR_TREE_CRC32} {'present' if S.ATTR_TREE_CRC32 in attrs else 'missing'})"
+        )
+    return version
+
+
+class _Checksums:
+    """Compare CRC-32s of what was read with the stored ones; large ones run on a worker thread."""
+
+    def __init__(self, filename: str, enabled: bool) -> None:
+        self.filename, self.enabled = filename, enabled
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: list[tuple[Node, int | Future[int]]] = []
+
+    def add(self, node: Node, data: Any) -> None:
+        if not self.enabled:
+            return
+        if isinstance(data, str | list):
+            self.pending.append((node, crc32_strings(data)))
+        elif isinstance(data, np.ndarray) and data.nbytes >= _THREADED_CRC_BYTES:
+            self.pool = self.pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
+            self.pending.append((node, self.pool.submit(crc32_array, data)))
+        else:
+            self.pending.append((node, 0 if data is None else crc32_array(data)))
+
+    def finish(self) -> None:
+        """Raise CheckpointCorruptError listing every dataset whose checksum does not match."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        bad = []
+        for node, crc in self.pending:
+            got = crc.result() if isinstance(crc, Future) else crc
+            if node.attrs.get(S.ATTR_CRC32) != got:
+                bad.append(f"'{node.h5path}' (stored {node.attrs.get(S.ATTR_CRC32)}, computed {got})")
+        self.pending.clear()
+        if bad:
+            raise CheckpointCorruptError(f"{self.filename}: checksum mismatch in {len(bad)} dataset(s): {sorted(bad)}")
+
+
+class CheckpointReader:
+    """An open checkpoint: inspect its tree without reading data, then read all of it or pieces.
+
+    Use as a context manager (or call :meth:`close`). Array data loads as CPU ``torch.Tensor``;
+    python scalars, strings, bytes, None, lists and tuples load as those python types. Legacy
+    ORTTrainer files (no format attributes, ``format_version == 0``) load too, without checksums:
+    their 0-d numeric datasets come back as python scalars and their strings as ``str``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+        self.path = Path(os.fspath(path))
+        self.verify_checksums = verify
+        self._file = _open_h5(self.path)
+        try:
+            with h5_guard(str(self.path), "/ (root attributes)"):
+                names = set(self._file.attrs.keys())
+                attrs = {k: self._file.attrs[k] for k in S.ROOT_ATTRS if k in names}
+                self.attrs: dict[str, Any] = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
+            self.format_version = _format_version(self.path, self.attrs)
+            size = self.path.stat().st_size
+            self._root = scan_file(self._file, str(self.path), ours=not self.is_legacy, file_size=size)
+            if verify and not self.is_legacy and tree_digest(self._root, self.attrs) != self.attrs[S.ATTR_TREE_CRC32]:
+                raise CheckpointCorruptError(
+                    f"{self.path}: structure checksum mismatch: names, shapes, dtypes or attributes are damaged"
+                )
+        except BaseException:
+            self._file.close()
+            raise
+
+    @property
+    def is_legacy(self) -> bool:
+        """True for files written by the legacy ORTTrainer (no format attributes, no checksums)."""
+        return self.format_version == S.LEGACY_FORMAT_VERSION
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- navigation and metadata -----------------------------------------------------------------
+    def _node(self, key: Key) -> Node:
+        node, parts = self._root, _split_key(key)
+        for depth, part in enumerate(parts):
+            where = "/".join(parts[:depth]) or "the root"
+            if not node.is_group:
+                raise CheckpointKeyError(f"'{'/'.join(parts)}' not found in {self.path}: '{where}' is a value")
+            if part not in node.children:
+                raise CheckpointKeyError(
+                    f"'{'/'.join(parts)}' not found in {self.path}: {where} has keys {sorted(node.children)}"
+                )
+            node = node.children[part]
+        return node
+
+    def __contains__(self, key: Key) -> bool:
+        try:
+            self._node(key)
+        except CheckpointKeyError:
+            return False
+        return True
+
+    def keys(self, prefix: Key = "") -> list[str]:
+        """Sorted names (original, unescaped) directly under the group ``prefix``."""
+        node = self._node(prefix)
+        if not node.is_group:
+            raise CheckpointKeyError(f"'{node.keypath}' in {self.path} is a value, not a group")
+        return sorted(node.children)
+
+    def _info(self, node: Node) -> DatasetInfo:
+        shape = () if node.shape is None else tuple(node.shape)
+        py_type = node.attrs.get(S.ATTR_PY_TYPE)
+        if not self.is_legacy and py_type in _PY_CLASSES:
+            return DatasetInfo(shape if py_type in (S.PY_LIST, S.PY_TUPLE) else (), _PY_CLASSES[py_type])
+        if self.is_legacy and (node.shape in (None, ()) or node.dtype.kind in "OSU"):
+            kind = {"b": bool, "i": int, "u": int, "f": float, "c": complex}.get(node.dtype.kind, str)
+            return DatasetInfo(shape, type(None) if node.shape is None else kind)
+        return DatasetInfo(shape, self._torch_dtype(node)[0])
+
+    def tree_info(self, key: Key = None) -> dict[str, Any] | DatasetInfo:
+        """Nested dict of :class:`DatasetInfo` for the subtree at ``key`` (no data is read)."""
+        node = self._node(key)
+        if not node.is_group:
+            return self._info(node)
+        return {name: self.tree_info((*node.key, name)) for name in node.children}
+
+    def walk(self, prefix: Key = None) -> Iterator[tuple[tuple[str, ...], DatasetInfo]]:
+        """Yield (key path tuple, info) for every dataset under ``prefix``, in sorted order."""
+        stack = [self._node(prefix)]
+        while stack:
+            node = stack.pop()
+            if not node.is_group:
+                yield node.key, self._info(node)
+            else:
+                stack.extend(node.children[name] for name in sorted(node.children, reverse=True))
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def _torch_dtype(self, node: Node) -> tuple[torch.dtype, torch.dtype | None]:
+        """(dtype to return, bits dtype the file stores it as or None) for an array dataset."""
+        name = node.attrs.get(S.ATTR_TORCH_DTYPE)
+        if name is not None and not self.is_legacy:
+            pair = bits_dtype(str(name))
+            if pair is None or numpy_to_torch_dtype(node.dtype) != pair[1]:
+                raise CheckpointFormatError(f"{self.path}: '{node.h5path}' has unknown {S.ATTR_TORCH_DTYPE}={name!r}")
+            return pair
+        dtype = None if node.dtype is None else numpy_to_torch_dtype(node.dtype)
+        if dtype is None:
+            raise CheckpointFormatError(f"{self.path}: '{node.h5path}' has unsupported dtype {node.dtype}")
+        return dtype, None
+
+    def _read_array(self, node: Node, checks: _Checksums, out: torch.Tensor | None = None) -> torch.Tensor:
+        dtype, bits = self._torch_dtype(node)
+        if node.shape is None:
+            raise CheckpointCorruptError(f"{self.path}: '{node.h5path}' holds no data but should hold an array")
+        out = torch.empty(node.shape, dtype=dtype) if out is None else out
+        target = out.detach().view(bits) if bits is not None else out.detach()
+        array = target.numpy()
+        with h5_guard(str(self.path), node.h5path):
+            if array.size:
+                node.dataset.read_direct(array)
+        checks.add(node, array)
+        return out
+
+    def _read_value(self, node: Node, checks: _Checksums) -> Any:
+        if self.is_legacy:
+            return self._read_legacy(node, checks)
+        py_type = node.attrs.get(S.ATTR_PY_TYPE)
+        if py_type not in S.PY_TYPES:
+            raise CheckpointCorruptError(f"{self.path}: '{node.h5path}' has no valid {S.ATTR_PY_TYPE} attribute")
+        if py_type in _ARRAY_TYPES:
+            return self._read_array(node, checks)
+        with h5_guard(str(self.path), node.h5path):
+            data: Any = None
+            if py_type != S.PY_NONE:
+                data = node.dataset.asstr()[()] if node.dtype.kind == "O" else node.dataset[()]
+                data = data.tolist() if isinstance(data, np.ndarray) and data.dtype.kind == "O" else data
+            checks.add(node, data)
+            return decode_python_value(py_type, data)
+
+    def _read_legacy(self, node: Node, checks: _Checksums) -> Any:
+        if node.shape is None:
+            return None
+        if node.dtype.kind in "OSU":
+            with h5_guard(str(self.path), node.h5path):
+                data = node.dataset[()]
+            return _legacy_str(data)
+        if node.shape == ():
+            with h5_guard(str(self.path), node.h5path):
+                return node.dataset[()].item()
+        return self._read_array(node, checks)
+
+    def _read_tree(self, node: Node, checks: _Checksums) -> Any:
+        if not node.is_group:
+            return self._read_value(node, checks)
+        return {name: self._read_tree(child, checks) for name, child in node.children.items()}
+
+    def read(self, key: Key = None) -> Any:
+        """Read the value (or nested dict) at ``key``, verifying checksums of everything read."""
+        checks = _Checksums(str(self.path), self.verify_checksums and not self.is_legacy)
+        try:
+            value = self._read_tree(self._node(key), checks)
+        finally:
+            if checks.pool is not None:
+                checks.pool.shutdown(wait=True)
+        checks.finish()
+        return value
+
+    def read_into(self, key: Key, out: torch.Tensor) -> torch.Tensor:
+        """Read the array at ``key`` straight into ``out`` (contiguous CPU tensor of the same shape and dtype).
+
+        No intermediate copy is made. The checksum is verified after the read: on
+        CheckpointCorruptError ``out`` holds undefined data, so call :meth:`verify` first when ``out``
+        is live state.
+        """
+        node = self._node(key)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        info = self._info(node) if not node.is_group else None
+        if info is None or not isinstance(info.dtype, torch.dtype):
+            raise ValueError(f"{self.path}: '{node.keypath}' is not array data and cannot be read into a tensor")
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous CPU tensor (got device {out.device}, contiguous={out.is_contiguous()})")  # fmt: skip
+        if tuple(out.shape) != info.shape or out.dtype != info.dtype:
+            raise ValueError(
+                f"{self.path}: cannot read '{node.keypath}' into tensor: stored shape {info.shape} dtype {info.dtype}, "
+                f"got shape {tuple(out.shape)} dtype {out.dtype}"
+            )
+        checks = _Checksums(str(self.path), self.verify_checksums and not self.is_legacy)
+        self._read_array(node, checks, out)
+        checks.finish()
+        return out
+
+    def verify(self, key: Key = None) -> int:
+        """Check the CRC-32 of every dataset under ``key``, streaming large ones in 16 MiB pieces.
+
+        Returns how many datasets were checked (0 for a legacy file, which has no checksums).
+        Raises CheckpointCorruptError listing every damaged dataset.
+        """
+        if self.is_legacy:
+            return 0
+        checks, count = _Checksums(str(self.path), True), 0
+        stack = [self._node(key)]
+        while stack:
+            node = stack.pop()
+            if node.is_group:
+                stack.extend(node.children.values())
+                continue
+            count += 1
+            if node.attrs.get(S.ATTR_PY_TYPE) not in _ARRAY_TYPES or node.shape in (None, ()):
+                self._read_value(node, checks)
+                continue
+            with h5_guard(str(self.path), node.h5path):
+                checks.pending.append((node, _streamed_crc(node.dataset)))
+        checks.finish()
+        return count
+
+
+def _streamed_crc(ds: h5py.Dataset) -> int:
+    """CRC-32 of a dataset's bytes, read along axis 0 in pieces into one reused buffer."""
+    row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
+    rows = max(1, _VERIFY_CHUNK_BYTES // row_bytes)
+    buf = np.empty((min(rows, ds.shape[0]), *ds.shape[1:]), dtype=ds.dtype.newbyteorder("="))
+    crc = 0
+    for start in range(0, ds.shape[0], rows):
+        n = min(rows, ds.shape[0] - start)
+        if buf.size:
+            ds.read_direct(buf, np.s_[start : start + n], np.s_[0:n])
+        crc = crc32_array(buf[:n], crc)
+    return crc
+
+
+def _legacy_str(data: Any) -> Any:
+    """Legacy h5py returns strings as bytes: decode utf-8 (keep bytes if not valid utf-8)."""
+    if isinstance(data, np.ndarray):
+        return [_legacy_str(item) for item in data.tolist()]
+    if isinstance(data, bytes):
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return data
+    return data
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> CheckpointReader:
+    """Open a checkpoint for inspection and partial reads (use it as a context manager)."""
+    return CheckpointReader(path, verify=verify)
+
+
+def load(path: str | os.PathLike[str], key: Key = None, *, verify: bool = True) -> Any:
+    """Load a whole checkpoint, or only the subtree at ``key``, as a nested dict.
+
+    ``key`` is a '/'-separated path of the original key names (or a tuple of names, for keys that
+    contain '/'); only that subtree's datasets are read. Array data comes back as CPU
+    ``torch.Tensor`` (the library is torch-first; numpy arrays saved come back as tensors too);
+    python scalars, str, bytes, None, lists and tuples come back as themselves. With ``verify``
+    every dataset read is checked against its CRC-32 and the structure against the root digest.
+    """
+    with CheckpointReader(path, verify=verify) as reader:
+        return reader.read(key)

@@ -1,0 +1,187 @@
+"""Atomic HDF5 save of a nested mapping (see FORMAT.md for the layout it produces).
+
+Call order inside :func:`save`: validate and encode the whole tree (no file touched), write a
+temporary file in the target folder, fsync it, publish it under the final name with one atomic
+rename, fsync the folder. Any failure removes the temporary file and leaves an old file intact.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from . import _schema as S
+from ._codec import STR_DTYPE, Leaf, crc32_array, crc32_strings, encode_leaf, escape_key, leaf_array
+from ._h5_index import scan_file, tree_digest
+from .errors import CheckpointExistsError
+
+__all__ = ["cleanup_temp_files", "plan_tree", "save"]
+
+# Checksums of arrays at least this big run on a worker thread while h5py writes the next dataset
+# (zlib releases the GIL); below it the thread hand-off costs more than the checksum.
+_THREADED_CRC_BYTES = 1 << 20
+_TEMP_RE = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$")
+
+Entry = tuple[str, Leaf | None]  # (absolute HDF5 path, leaf) ; leaf None = group
+
+
+@functools.cache
+def library_version() -> str:
+    """Version of the installed ort_trainer distribution (stamped into every file)."""
+    try:
+        return metadata.version("ort_trainer")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def plan_tree(tree: Mapping[str, Any]) -> list[Entry]:
+    """Validate and encode every key and leaf (TypeError/ValueError naming the key path)."""
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"a checkpoint tree must be a Mapping (e.g. a dict), got {type(tree).__name__}")
+    entries: list[Entry] = []
+    _plan(tree, "", (), entries, set())
+    return entries
+
+
+def _plan(tree: Mapping, h5prefix: str, keypath: tuple[str, ...], entries: list[Entry], active: set[int]) -> None:
+    if id(tree) in active:
+        raise ValueError(f"the tree contains a reference cycle at '{'/'.join(keypath)}'")
+    active.add(id(tree))
+    for key, value in tree.items():
+        where = "/".join((*keypath, str(key)))
+        if not isinstance(key, str):
+            raise TypeError(f"keys must be str, got {type(key).__name__} {key!r} at '{where}'")
+        if not key:
+            raise ValueError(f"empty key at '{where}': HDF5 cannot store an empty name")
+        h5path = f"{h5prefix}/{escape_key(key)}"
+        if isinstance(value, Mapping):
+            entries.append((h5path, None))
+            _plan(value, h5path, (*keypath, key), entries, active)
+        else:
+            entries.append((h5path, encode_leaf(value, where)))
+    active.discard(id(tree))
+
+
+def _write_leaf(f: h5py.File, h5path: str, leaf: Leaf, pool: ThreadPoolExecutor) -> int | Future[int]:
+    """Create one dataset with its type attributes; return its checksum (or a future of it)."""
+    data = leaf_array(leaf)
+    if isinstance(data, str) or (isinstance(data, list) and data):
+        ds = f.create_dataset(h5path, data=data, dtype=STR_DTYPE)
+        crc: int | Future[int] = crc32_strings(data)
+    elif isinstance(data, h5py.Empty):
+        ds = f.create_dataset(h5path, data=data)
+        crc = 0
+    else:
+        ds = f.create_dataset(h5path, data=data)  # contiguous, no filters: h5py writes from `data` in place
+        big = data.nbytes >= _THREADED_CRC_BYTES
+        crc = pool.submit(crc32_array, data) if big else crc32_array(data)
+    for name, value in leaf.attrs.items():
+        ds.attrs[name] = value
+    return crc
+
+
+def _write_file(tmp: Path, entries: list[Entry]) -> None:
+    with h5py.File(tmp, "w-") as f:
+        checksums: list[tuple[str, int | Future[int]]] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc") as pool:
+            for h5path, leaf in entries:
+                if leaf is None:
+                    f.create_group(h5path)
+                else:
+                    checksums.append((h5path, _write_leaf(f, h5path, leaf, pool)))
+        for h5path, crc in checksums:
+            f[h5path].attrs[S.ATTR_CRC32] = np.uint32(crc.result() if isinstance(crc, Future) else crc)
+        root_attrs = {
+            S.ATTR_FORMAT: S.FORMAT_NAME,
+            S.ATTR_FORMAT_VERSION: S.FORMAT_VERSION,
+            S.ATTR_LIBRARY_VERSION: library_version(),
+        }
+        f.attrs.update(root_attrs)
+        root = scan_file(f, str(tmp), ours=True, file_size=sys.maxsize)
+        f.attrs[S.ATTR_TREE_CRC32] = np.uint32(tree_digest(root, root_attrs))
+    _fsync(tmp, os.O_RDONLY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Give the finished temp file its final name atomically; refuse to replace unless asked."""
+    if overwrite:
+        os.replace(tmp, path)
+    else:
+        try:
+            os.link(tmp, path)  # atomic "create if absent": closes the race with a concurrent writer
+        except FileExistsError:
+            raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it") from None
+        except OSError:  # file system without hard links
+            if path.exists():
+                raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it") from None
+            os.replace(tmp, path)
+        else:
+            os.unlink(tmp)
+    try:
+        _fsync(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        pass  # some file systems cannot fsync a directory; the rename itself is still atomic
+
+
+def save(tree: Mapping[str, Any], path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    """Write a nested mapping to an HDF5 checkpoint at ``path``, atomically.
+
+    Mappings become groups; leaves may be CPU/GPU torch tensors (any dtype, bfloat16 and float8
+    stored as their bits), numpy arrays and scalars, int, float, bool, str, bytes, None, and
+    lists/tuples of one scalar type. Keys must be non-empty str; '/' and '%' in keys are
+    percent-encoded. Every dataset carries a CRC-32 and the root a digest of the structure.
+    Readers see the old file or the new one, never a partial one; an interrupted save may leave a
+    hidden ``.<name>.tmp-<pid>-<hex>`` file (see :func:`cleanup_temp_files`).
+
+    Raises TypeError/ValueError naming the key path for unsupported content (before any file is
+    created) and CheckpointExistsError if ``path`` exists and ``overwrite`` is False.
+    """
+    path = Path(os.fspath(path))
+    entries = plan_tree(tree)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; give a file path for the checkpoint")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save {path}: folder {path.parent} does not exist")
+    if path.exists() and not overwrite:
+        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        _write_file(tmp, entries)
+        _publish(tmp, path, overwrite)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def cleanup_temp_files(folder: str | os.PathLike[str], *, older_than_s: float = 0.0) -> list[Path]:
+    """Remove temporary files left in ``folder`` by saves that were killed; return what was removed.
+
+    Only names matching ``.<name>.tmp-<pid>-<8 hex>`` are touched. A save still running in that
+    folder owns such a file: pass ``older_than_s`` (seconds since last modification) to spare it.
+    """
+    now, removed = time.time(), []
+    for entry in Path(folder).iterdir():
+        if _TEMP_RE.match(entry.name) and entry.is_file() and now - entry.stat().st_mtime >= older_than_s:
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return sorted(removed)

@@ -1,0 +1,231 @@
+"""The one module that holds checkpoint key names, attribute names and typed records.
+
+Key names follow the legacy ONNX Runtime ``ORTTrainer`` state dict (``_utils.state_dict_*_key``
+helpers and backend constants) so files stay readable by both implementations. Every other module
+imports the strings from here; nothing else spells them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LEGACY_FORMAT_VERSION",
+    "PartitionInfo",
+    "TrainerOptionsRecord",
+]
+
+# ---- format identity (root attributes) ----------------------------------------------------------
+FORMAT_NAME = "ort_trainer.checkpoint"
+FORMAT_VERSION = 1
+LEGACY_FORMAT_VERSION = 0  # files without our root attributes: written by the legacy ORTTrainer
+
+ATTR_FORMAT = "ort_trainer.format"
+ATTR_FORMAT_VERSION = "ort_trainer.format_version"
+ATTR_LIBRARY_VERSION = "ort_trainer.library_version"
+ATTR_TREE_CRC32 = "ort_trainer.tree_crc32"
+ROOT_ATTRS = (ATTR_FORMAT, ATTR_FORMAT_VERSION, ATTR_LIBRARY_VERSION, ATTR_TREE_CRC32)
+
+# ---- per-dataset attributes ---------------------------------------------------------------------
+ATTR_CRC32 = "crc32"
+ATTR_PY_TYPE = "py_type"
+ATTR_TORCH_DTYPE = "torch_dtype"
+
+# values of ATTR_PY_TYPE: what python type the stored value had
+PY_TENSOR = "tensor"
+PY_NDARRAY = "ndarray"
+PY_NUMPY_SCALAR = "numpy_scalar"
+PY_INT = "int"
+PY_FLOAT = "float"
+PY_BOOL = "bool"
+PY_STR = "str"
+PY_BYTES = "bytes"
+PY_NONE = "none"
+PY_LIST = "list"
+PY_TUPLE = "tuple"
+PY_TYPES = frozenset(
+    {PY_TENSOR, PY_NDARRAY, PY_NUMPY_SCALAR, PY_INT, PY_FLOAT, PY_BOOL, PY_STR, PY_BYTES, PY_NONE, PY_LIST, PY_TUPLE}
+)
+
+# ---- user_dict encoding: a group with exactly one of these keys is a tagged value -----------------
+TAG_NDARRAY = "__ndarray__"
+TAG_NUMPY_SCALAR = "__numpy_scalar__"
+TAG_LIST = "__list__"
+TAG_TUPLE = "__tuple__"
+TAG_DICT = "__dict__"
+TAG_PICKLE = "__pickle__"
+USER_DICT_TAGS = frozenset({TAG_NDARRAY, TAG_NUMPY_SCALAR, TAG_LIST, TAG_TUPLE, TAG_DICT, TAG_PICKLE})
+
+# ---- state-dict keys (legacy ORTTrainer layout, see reference §2) --------------------------------
+MODEL_KEY = "model"
+FULL_PRECISION_KEY = "full_precision"
+OPTIMIZER_KEY = "optimizer"
+MOMENT_1_KEY = "Moment_1"
+MOMENT_2_KEY = "Moment_2"
+UPDATE_COUNT_KEY = "Update_Count"
+SHARED_OPTIMIZER_STATE_KEY = "shared_optimizer_state"
+STEP_KEY = "Step"  # Lamb's global step inside shared_optimizer_state
+SHARDED_OPTIMIZER_KEYS = frozenset({MOMENT_1_KEY, MOMENT_2_KEY})
+PARTITION_INFO_KEY = "partition_info"
+ORIGINAL_DIM_KEY = "original_dim"
+MEGATRON_ROW_PARTITION_KEY = "megatron_row_partition"
+PARTITION_OFFSET_KEY = "offset"  # ours: start of a ZeRO piece in the flattened tensor
+TRAIN_STEP_INFO_KEY = "train_step_info"
+OPTIMIZATION_STEP_KEY = "optimization_step"
+TRAIN_STEP_KEY = "step"
+USER_DICT_KEY = "user_dict"
+LR_SCHEDULER_KEY = "lr_scheduler"  # ours
+LOSS_SCALER_KEY = "loss_scaler"  # ours
+
+TRAINER_OPTIONS_KEY = "trainer_options"
+MIXED_PRECISION_KEY = "mixed_precision"
+ZERO_STAGE_KEY = "zero_stage"
+WORLD_RANK_KEY = "world_rank"
+WORLD_SIZE_KEY = "world_size"
+OPTIMIZER_NAME_KEY = "optimizer_name"
+DATA_PARALLEL_SIZE_KEY = "data_parallel_size"
+HORIZONTAL_PARALLEL_SIZE_KEY = "horizontal_parallel_size"
+TRAINER_OPTIONS_KEYS = (
+    MIXED_PRECISION_KEY,
+    ZERO_STAGE_KEY,
+    WORLD_RANK_KEY,
+    WORLD_SIZE_KEY,
+    OPTIMIZER_NAME_KEY,
+    DATA_PARALLEL_SIZE_KEY,
+    HORIZONTAL_PARALLEL_SIZE_KEY,
+)
+
+
+# ---- value coercion for records read from files (legacy files hold numpy/bytes values) -----------
+def _scalar(value: Any) -> Any:
+    """Unwrap one-element tensors and arrays, numpy scalars and utf-8 bytes into python values."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.reshape(()).item()
+    elif isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(()).item()
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    return value
+
+
+def _type_problems(values: Mapping[str, Any], expected: Mapping[str, type]) -> list[str]:
+    """List 'key: expected T, got U' for every value of the wrong type (bool is not an int)."""
+    problems = []
+    for key in sorted(expected):
+        want, value = expected[key], values[key]
+        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+        if not ok:
+            problems.append(f"{key}: expected {want.__name__}, got {type(value).__name__} {value!r}")
+    return problems
+
+
+def _check_keys(tree: Mapping[str, Any], required: tuple[str, ...], optional: tuple[str, ...], what: str) -> None:
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"{what} must be a mapping, got {type(tree).__name__}")
+    missing = sorted(set(required) - set(tree))
+    unknown = sorted(set(tree) - set(required) - set(optional))
+    if missing or unknown:
+        raise ValueError(
+            f"{what}: missing keys {missing}, unknown keys {unknown}; valid keys are {sorted(required + optional)}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerOptionsRecord:
+    """The ``trainer_options`` group: the topology and optimizer a checkpoint was written with."""
+
+    mixed_precision: bool
+    zero_stage: int
+    world_rank: int
+    world_size: int
+    optimizer_name: str
+    data_parallel_size: int
+    horizontal_parallel_size: int
+
+    def __post_init__(self) -> None:
+        types = {k: int for k in TRAINER_OPTIONS_KEYS} | {MIXED_PRECISION_KEY: bool, OPTIMIZER_NAME_KEY: str}
+        problems = _type_problems(self.__dict__, types)
+        if problems:
+            raise TypeError("invalid trainer_options: " + "; ".join(problems))
+        if self.zero_stage < 0:
+            problems.append(f"zero_stage: expected >= 0, got {self.zero_stage}")
+        for key in (WORLD_SIZE_KEY, DATA_PARALLEL_SIZE_KEY, HORIZONTAL_PARALLEL_SIZE_KEY):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}: expected >= 1, got {getattr(self, key)}")
+        if not 0 <= self.world_rank < max(self.world_size, 1):
+            problems.append(f"world_rank: expected 0 <= world_rank < world_size={self.world_size}, got {self.world_rank}")
+        if problems:
+            raise ValueError("invalid trainer_options: " + "; ".join(problems))
+
+    @classmethod
+    def from_tree(cls, tree: Mapping[str, Any]) -> TrainerOptionsRecord:
+        """Build from a loaded ``trainer_options`` group (python, numpy, tensor or bytes values)."""
+        _check_keys(tree, TRAINER_OPTIONS_KEYS, (), TRAINER_OPTIONS_KEY)
+        return cls(**{key: _scalar(tree[key]) for key in TRAINER_OPTIONS_KEYS})
+
+    def to_tree(self) -> dict[str, Any]:
+        """The legacy ``trainer_options`` group as plain python values."""
+        return {key: getattr(self, key) for key in TRAINER_OPTIONS_KEYS}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionInfo:
+    """Where a stored tensor piece sits in the full tensor.
+
+    ``original_dim`` is the full (global) shape; ``megatron_row_partition`` is -1 (not Megatron
+    partitioned), 0 (column partition: split on the last axis) or 1 (row partition: split on axis
+    0), as in the legacy backend; ``offset`` (ours, ``None`` in legacy files) is where a ZeRO piece
+    starts in the flattened full tensor.
+    """
+
+    original_dim: tuple[int, ...]
+    megatron_row_partition: int = -1
+    offset: int | None = None
+
+    def __post_init__(self) -> None:
+        dims = self.original_dim
+        if not isinstance(dims, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            raise TypeError(f"original_dim: expected a tuple of int, got {dims!r}")
+        problems = [f"original_dim: expected sizes >= 0, got {dims}"] if any(d < 0 for d in dims) else []
+        if self.megatron_row_partition not in (-1, 0, 1) or isinstance(self.megatron_row_partition, bool):
+            problems.append(f"megatron_row_partition: expected -1, 0 or 1, got {self.megatron_row_partition!r}")
+        if self.offset is not None and (not isinstance(self.offset, int) or self.offset < 0):
+            problems.append(f"offset: expected None or an int >= 0, got {self.offset!r}")
+        if problems:
+            raise ValueError("invalid partition_info: " + "; ".join(problems))
+
+    @classmethod
+    def from_tree(cls, tree: Mapping[str, Any]) -> PartitionInfo:
+        """Build from one weight's legacy ``partition_info`` entry (lists, arrays or tensors)."""
+        _check_keys(tree, (ORIGINAL_DIM_KEY,), (MEGATRON_ROW_PARTITION_KEY, PARTITION_OFFSET_KEY), PARTITION_INFO_KEY)
+        dims = tree[ORIGINAL_DIM_KEY]
+        dims = dims.tolist() if isinstance(dims, torch.Tensor | np.ndarray) else dims
+        offset = tree.get(PARTITION_OFFSET_KEY)
+        flag = tree.get(MEGATRON_ROW_PARTITION_KEY, -1)
+        return cls(
+            original_dim=tuple(_scalar(d) for d in dims),
+            megatron_row_partition=_scalar(flag[0] if isinstance(flag, list | tuple) and len(flag) == 1 else flag),
+            offset=None if offset is None else _scalar(offset),
+        )
+
+    def to_tree(self) -> dict[str, Any]:
+        """The legacy entry (lists of int, the flag as a one-element list) plus ``offset`` if set."""
+        tree: dict[str, Any] = {
+            ORIGINAL_DIM_KEY: list(self.original_dim),
+            MEGATRON_ROW_PARTITION_KEY: [self.megatron_row_partition],
+        }
+        if self.offset is not None:
+            tree[PARTITION_OFFSET_KEY] = self.offset
+        return tree
