@@ -28,7 +28,7 @@ from .errors import (
     CheckpointVersionError,
 )
 
-__all__ = ["CheckpointReader", "DatasetInfo", "load", "open_checkpoint"]
+__all__ = ["CheckpointReader", "DatasetInfo", "Key", "load", "open_checkpoint", "split_key"]
 
 Key = str | Sequence[str] | None
 _ARRAY_TYPES = frozenset({S.PY_TENSOR, S.PY_NDARRAY, S.PY_NUMPY_SCALAR})
@@ -49,7 +49,7 @@ class DatasetInfo(NamedTuple):
     dtype: torch.dtype | type
 
 
-def _split_key(key: Key) -> tuple[str, ...]:
+def split_key(key: Key) -> tuple[str, ...]:
     """'a/b' -> ('a', 'b'); a tuple/list of names addresses keys that themselves contain '/'."""
     if key is None:
         return ()
@@ -169,7 +169,7 @@ class CheckpointReader:
 
     # ---- navigation and metadata -----------------------------------------------------------------
     def _node(self, key: Key) -> Node:
-        node, parts = self._root, _split_key(key)
+        node, parts = self._root, split_key(key)
         for depth, part in enumerate(parts):
             where = "/".join(parts[:depth]) or "the root"
             if not node.is_group:
@@ -307,7 +307,9 @@ class CheckpointReader:
         if info is None or not isinstance(info.dtype, torch.dtype):
             raise ValueError(f"{self.path}: '{node.keypath}' is not array data and cannot be read into a tensor")
         if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous CPU tensor (got device {out.device}, contiguous={out.is_contiguous()})")  # fmt: skip
+            raise ValueError(
+                f"out must be a contiguous CPU tensor, got device {out.device}, contiguous={out.is_contiguous()}"
+            )
         if tuple(out.shape) != info.shape or out.dtype != info.dtype:
             raise ValueError(
                 f"{self.path}: cannot read '{node.keypath}' into tensor: stored shape {info.shape} dtype {info.dtype}, "

@@ -165,7 +165,7 @@ class TrainerOptionsRecord:
             if getattr(self, key) < 1:
                 problems.append(f"{key}: expected >= 1, got {getattr(self, key)}")
         if not 0 <= self.world_rank < max(self.world_size, 1):
-            problems.append(f"world_rank: expected 0 <= world_rank < world_size={self.world_size}, got {self.world_rank}")
+            problems.append(f"world_rank: expected 0 <= rank < world_size={self.world_size}, got {self.world_rank}")
         if problems:
             raise ValueError("invalid trainer_options: " + "; ".join(problems))
 

@@ -13,7 +13,7 @@ import torch
 
 from . import _schema as S
 from ._codec import decode_python_value, encode_leaf, leaf_array
-from ._h5_reader import Key, _split_key, load
+from ._h5_reader import Key, load, split_key
 from ._h5_writer import plan_tree, save
 from .errors import CheckpointExistsError, CheckpointKeyError, CheckpointNotFoundError
 
@@ -95,7 +95,7 @@ class InMemoryStorage:
         if name not in self.trees:
             raise CheckpointNotFoundError(f"{name}: no such checkpoint file")
         node: Any = self.trees[name]
-        parts = _split_key(key)
+        parts = split_key(key)
         for depth, part in enumerate(parts):
             where = "/".join(parts[:depth]) or "the root"
             if not isinstance(node, dict) or part not in node:
