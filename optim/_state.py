@@ -59,8 +59,10 @@ def find_problems(kind: str, layout: FlatLayout, state: Any, strict: bool, where
                 other.append(f"{path}[{key}]: {problem}")
     if not strict:
         missing, unexpected = [], []
-    return [f"missing key {p}" for p in sorted(missing)] + [f"unexpected key {p}" for p in sorted(unexpected)] + sorted(
-        other
+    return (
+        [f"missing key {p}" for p in sorted(missing)]
+        + [f"unexpected key {p}" for p in sorted(unexpected)]
+        + sorted(other)
     )
 
 

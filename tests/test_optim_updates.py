@@ -24,7 +24,8 @@ def make(config, shapes=SHAPES, seed=0):
 def grad_steps(numel, steps, seed=1):
     """Random gradients whose global norm varies a lot, so clipping is on for some steps only."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(numel, generator=gen) * 10.0 ** (2 * torch.rand(1, generator=gen).item() - 1) for _ in range(steps)]
+    scales = [10.0 ** (2 * torch.rand(1, generator=gen).item() - 1) for _ in range(steps)]
+    return [torch.randn(numel, generator=gen) * s for s in scales]
 
 
 # ------------------------------------------------------------------ numpy reference of §5.3
@@ -158,7 +159,11 @@ def test_adam_mode0_matches_torch_adamw(clip, loss_scale):
 
 @pytest.mark.parametrize(
     "mode, bias",
-    [(DecayMode.AFTER_WEIGHT_UPDATE, True), (DecayMode.AFTER_WEIGHT_UPDATE, False), (DecayMode.BEFORE_WEIGHT_UPDATE, False)],
+    [
+        (DecayMode.AFTER_WEIGHT_UPDATE, True),
+        (DecayMode.AFTER_WEIGHT_UPDATE, False),
+        (DecayMode.BEFORE_WEIGHT_UPDATE, False),
+    ],
 )
 def test_adam_modes_match_reference(mode, bias):
     cfg = AdamConfig(lr=0.01, lambda_coef=0.1, max_norm_clip=3.0, do_bias_correction=bias, weight_decay_mode=mode)
@@ -226,8 +231,13 @@ def test_lamb_matches_reference(bias):
     run_flat(opt, params, grads, seq, LRS[:12])
     assert clipped > 0
     assert_matches(layout, params, ref, rtol=2e-6, atol=2e-7)
-    unclamped, _ = run_reference(LambConfig(lr=0.01, lambda_coef=0.01, max_norm_clip=5.0, do_bias_correction=bias),
-                                 layout, make(cfg, shapes)[1], seq, LRS[:12])
+    unclamped, _ = run_reference(
+        LambConfig(lr=0.01, lambda_coef=0.01, max_norm_clip=5.0, do_bias_correction=bias),
+        layout,
+        make(cfg, shapes)[1],
+        seq,
+        LRS[:12],
+    )
     assert not np.allclose(unclamped["small"], ref["small"], rtol=1e-3)
 
 
@@ -274,7 +284,8 @@ def test_counters_start_at_one_and_grow_per_step():
         adam.step(0.1)
         lamb.step(0.1)
     counts = adam.state_dict()
-    assert all(counts[n]["Update_Count"].dtype == torch.int64 and counts[n]["Update_Count"].tolist() == [4] for n in NAMES)
+    assert all(counts[n]["Update_Count"].dtype == torch.int64 for n in NAMES)
+    assert [counts[n]["Update_Count"].tolist() for n in NAMES] == [[4]] * 3
     assert lamb.state_dict()["shared_optimizer_state"]["Step"].tolist() == [4]
 
 
@@ -355,7 +366,8 @@ def test_validation_lists_every_problem_and_failed_load_changes_nothing():
             "unexpected key state_dict[optimizer][fc1.bias][junk]",
             "state_dict[optimizer][fc1.weight][Moment_1]: shape mismatch: expected (4, 3), got (3, 4)",
             "state_dict[optimizer][fc1.weight][Moment_2]: wrong dtype: expected a floating-point dtype, got int32",
-            "state_dict[optimizer][fc1.weight][Update_Count]: wrong dtype: expected an integer dtype (int64), got float32",
+            "state_dict[optimizer][fc1.weight][Update_Count]: "
+            "wrong dtype: expected an integer dtype (int64), got float32",
         ]
     )
     with pytest.raises(ValueError, match=re.escape(expected) + r"\nThe state must come from .* strict=False"):
@@ -366,8 +378,12 @@ def test_validation_lists_every_problem_and_failed_load_changes_nothing():
             assert torch.equal(after[name][key], before[name][key])
     with pytest.raises(ValueError, match=r"ckpt\[fc1.bias\]\[Update_Count\]: must be >= 1 .*got 0"):
         opt.validate_state_dict({**before, "fc1.bias": {**before["fc1.bias"], "Update_Count": 0}}, where="ckpt")
-    with pytest.raises(ValueError, match=r"\[shared_optimizer_state\]\[Step\]: shape mismatch: expected \(1,\), got \(2,\)"):
-        make(LambConfig())[3].validate_state_dict({"shared_optimizer_state": {"Step": np.ones(2, np.int64)}}, strict=False)
+    lamb = make(LambConfig())[3]
+    with pytest.raises(
+        ValueError,
+        match=r"\[optimizer\]\[shared_optimizer_state\]\[Step\]: shape mismatch: expected \(1,\), got \(2,\)",
+    ):
+        lamb.validate_state_dict({"shared_optimizer_state": {"Step": np.ones(2, np.int64)}}, strict=False)
     with pytest.raises(ValueError, match=r"unexpected key state_dict\[optimizer\]\[fc1.weight\]"):
         make(SGDConfig())[3].load_state_dict({"fc1.weight": {}})
 
@@ -379,7 +395,8 @@ def test_non_strict_load_keeps_missing_entries():
     before = opt.state_dict()
     opt.load_state_dict({"fc1.bias": {"Moment_1": torch.full((4,), 7.0)}, "other": {}}, strict=False)
     after = opt.state_dict()
-    assert after["fc1.bias"]["Moment_1"].eq(7).all() and torch.equal(after["fc1.bias"]["Moment_2"], before["fc1.bias"]["Moment_2"])
+    assert after["fc1.bias"]["Moment_1"].eq(7).all()
+    assert torch.equal(after["fc1.bias"]["Moment_2"], before["fc1.bias"]["Moment_2"])
     assert torch.equal(after["fc1.weight"]["Moment_1"], before["fc1.weight"]["Moment_1"])
     assert after["fc1.bias"]["Update_Count"].tolist() == [2]
 

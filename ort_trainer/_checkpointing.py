@@ -1,0 +1,115 @@
+"""`ORTTrainer.save_checkpoint` / `load_checkpoint`: the trainer's state in an HDF5 file.
+
+Saving writes views of the live buffers (no copy of the model) through the atomic `checkpoint.save`.
+Loading is two-phase: open, verify every checksum and validate keys, shapes and types against the
+trainer first; only then read tensors straight into the live flat buffers (`read_into`, no
+intermediate full copy) and apply the small state (counters, scheduler). A failure in the first
+phase leaves the trainer exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import checkpoint
+from checkpoint import _schema as K
+
+from . import _state
+
+if TYPE_CHECKING:
+    from .trainer import ORTTrainer
+
+__all__ = ["load_trainer_checkpoint", "save_trainer_checkpoint"]
+
+
+def save_trainer_checkpoint(
+    trainer: ORTTrainer,
+    path: str | os.PathLike,
+    user_dict: Mapping | None,
+    include_optimizer_states: bool,
+    overwrite: bool,
+) -> None:
+    if user_dict is not None and not isinstance(user_dict, Mapping):
+        raise TypeError(f"user_dict must be a Mapping or None, got {type(user_dict).__name__}")
+    state = _state.trainer_state_dict(trainer, copy_tensors=False)
+    if not include_optimizer_states:
+        state.pop(K.OPTIMIZER_KEY, None)
+    if user_dict:
+        state[K.USER_DICT_KEY] = checkpoint.encode_user_dict(user_dict)
+    checkpoint.save(state, path, overwrite=overwrite)
+
+
+def load_trainer_checkpoint(
+    trainer: ORTTrainer, paths: Sequence[str | os.PathLike], *, strict: bool, allow_pickle: bool
+) -> dict[str, Any]:
+    if len(paths) == 0:
+        raise ValueError("load_checkpoint needs at least one path")
+    if len(paths) > 1:
+        raise NotImplementedError(
+            f"load_checkpoint got {len(paths)} files; loading a partitioned (per-rank) set needs checkpoint "
+            "aggregation, which is not implemented yet. Load a single full checkpoint."
+        )
+    with checkpoint.open_checkpoint(paths[0]) as reader:
+        _refuse_partitioned(reader)
+        reader.verify()
+        user_dict = _user_dict(reader, allow_pickle)
+        if trainer._engine is None:
+            tree = reader.read()
+            tree.pop(K.USER_DICT_KEY, None)
+            _state.load_trainer_state_dict(trainer, tree, strict=strict)
+            return user_dict
+        _load_into_engine(trainer, reader, strict)
+    return user_dict
+
+
+def _refuse_partitioned(reader: checkpoint.CheckpointReader) -> None:
+    if K.TRAINER_OPTIONS_KEY not in reader.keys():
+        return
+    options = reader.read(K.TRAINER_OPTIONS_KEY)
+    zero = int(options.get(K.ZERO_STAGE_KEY, 0) or 0)
+    horizontal = int(options.get(K.HORIZONTAL_PARALLEL_SIZE_KEY, 1) or 1)
+    if zero > 0 or horizontal > 1:
+        raise NotImplementedError(
+            f"{reader.path} is one rank's file of a partitioned run (zero_stage={zero}, "
+            f"horizontal_parallel_size={horizontal}); aggregating partitioned checkpoints is not implemented yet"
+        )
+
+
+def _user_dict(reader: checkpoint.CheckpointReader, allow_pickle: bool) -> dict[str, Any]:
+    if K.USER_DICT_KEY not in reader.keys():
+        return {}
+    return checkpoint.decode_user_dict(reader.read(K.USER_DICT_KEY), allow_pickle=allow_pickle)
+
+
+def _load_into_engine(trainer: ORTTrainer, reader: checkpoint.CheckpointReader, strict: bool) -> None:
+    """Phase 1: a state whose big tensors are shape-only placeholders is fully validated.
+    Phase 2: read the big tensors straight into the live buffers, then apply the rest."""
+    keys = reader.keys()
+    small = {key: reader.read(key) for key in keys if key not in (K.MODEL_KEY, K.USER_DICT_KEY)}
+    weights = _placeholders(reader, (K.MODEL_KEY, K.FULL_PRECISION_KEY)) if K.MODEL_KEY in keys else {}
+    state = {**small, K.MODEL_KEY: {K.FULL_PRECISION_KEY: weights}} if K.MODEL_KEY in keys else small
+    plan = _state._validate(trainer, state, strict)
+    engine = trainer._engine
+    targets = {**engine.param_views, **engine.frozen}
+    for name in plan["weights"]:
+        _read_into(reader, (K.MODEL_KEY, K.FULL_PRECISION_KEY, name), targets[name])
+    plan["weights"] = {}
+    _state._apply(trainer, plan)
+
+
+def _placeholders(reader: checkpoint.CheckpointReader, prefix: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Shape/dtype stand-ins (meta tensors) for every tensor under ``prefix``, read without data."""
+    info = reader.tree_info(prefix)
+    return {name: torch.empty(meta.shape, dtype=meta.dtype, device="meta") for name, meta in info.items()}
+
+
+def _read_into(reader: checkpoint.CheckpointReader, key: tuple[str, ...], target: torch.Tensor) -> None:
+    """Straight into ``target`` when layouts allow (CPU, contiguous, same dtype); else via a small copy."""
+    if target.device.type == "cpu" and target.is_contiguous() and reader.tree_info(key).dtype == target.dtype:
+        reader.read_into(key, target)
+    else:
+        target.copy_(reader.read(key))
