@@ -46,7 +46,9 @@ def trainer_state_dict(trainer: ORTTrainer, pytorch_format: bool = False, copy_t
     if pytorch_format:
         return _pytorch_state(trainer, engine)
     clone = _clone if copy_tensors else (lambda t: t)
-    state: dict[str, Any] = {K.MODEL_KEY: {K.FULL_PRECISION_KEY: {k: clone(v) for k, v in _model_tensors(trainer).items()}}}
+    state: dict[str, Any] = {
+        K.MODEL_KEY: {K.FULL_PRECISION_KEY: {k: clone(v) for k, v in _model_tensors(trainer).items()}}
+    }
     if engine is not None:
         state[K.OPTIMIZER_KEY] = engine.optimizer.state_dict()
     state[K.TRAINER_OPTIONS_KEY] = _trainer_options(trainer)

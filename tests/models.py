@@ -24,7 +24,9 @@ class CNN(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv = torch.nn.Conv2d(1, 4, 3, bias=False)  # a bias before BatchNorm has ~0 gradient: Adam amplifies noise
+        self.conv = torch.nn.Conv2d(
+            1, 4, 3, bias=False
+        )  # a bias before BatchNorm has ~0 gradient: Adam amplifies noise
         self.bn = torch.nn.BatchNorm2d(4)
         self.fc = torch.nn.Linear(4 * 6 * 6, 3)
 
@@ -59,7 +61,9 @@ def mlp_batches(steps: int, batch: int = 8, seed: int = 0):
 
 def cnn_batches(steps: int, batch: int = 6, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(steps)
+    ]
 
 
 def lm_batches(steps: int, batch: int = 4, seq: int = 8, vocab: int = 50, seed: int = 0):

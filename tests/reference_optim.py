@@ -16,12 +16,25 @@ def clip_divisor(grads, max_norm: float, loss_scale: float = 1.0, clip: bool = T
     return norm / max_norm if clip and norm > loss_scale * max_norm else loss_scale
 
 
-def adam_step(params, grads, state, *, lr, alpha=0.9, beta=0.999, lambda_=0.0, epsilon=1e-8, mode=0,
-              bias_correction=True, divisor=1.0):
+def adam_step(
+    params,
+    grads,
+    state,
+    *,
+    lr,
+    alpha=0.9,
+    beta=0.999,
+    lambda_=0.0,
+    epsilon=1e-8,
+    mode=0,
+    bias_correction=True,
+    divisor=1.0,
+):
     """Legacy Adam for every (param, grad) pair; ``state[i] = [m, v, update_count]``."""
     for i, (w, g) in enumerate(zip(params, grads, strict=True)):
-        m, v, t = state.setdefault(i, [torch.zeros_like(w, dtype=torch.float64),
-                                       torch.zeros_like(w, dtype=torch.float64), 1])
+        m, v, t = state.setdefault(
+            i, [torch.zeros_like(w, dtype=torch.float64), torch.zeros_like(w, dtype=torch.float64), 1]
+        )
         g = g.double() / divisor
         w64 = w.double()
         m.mul_(alpha).add_((1 - alpha) * g)
@@ -38,8 +51,21 @@ def adam_step(params, grads, state, *, lr, alpha=0.9, beta=0.999, lambda_=0.0, e
         state[i][2] = t + 1
 
 
-def lamb_step(params, grads, state, *, lr, alpha=0.9, beta=0.999, lambda_=0.0, epsilon=1e-6,
-              bias_correction=False, ratio_min=-math.inf, ratio_max=math.inf, divisor=1.0):
+def lamb_step(
+    params,
+    grads,
+    state,
+    *,
+    lr,
+    alpha=0.9,
+    beta=0.999,
+    lambda_=0.0,
+    epsilon=1e-6,
+    bias_correction=False,
+    ratio_min=-math.inf,
+    ratio_max=math.inf,
+    divisor=1.0,
+):
     """Legacy Lamb; ``state['step']`` is the one shared Step, ``state[i] = [m, v]``."""
     t = state.setdefault("step", 1)
     for i, (w, g) in enumerate(zip(params, grads, strict=True)):

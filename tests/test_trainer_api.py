@@ -86,8 +86,9 @@ def test_train_step_returns_loss_before_update_and_fetches_select_outputs():
 def test_frozen_weights_stay_put_and_unknown_names_are_rejected():
     torch.manual_seed(0)
     model = MLP()
-    trainer = ORTTrainer(model, MLP_DESC, optim.AdamConfig(lr=0.1), loss_fn=ce,
-                         options={"utils": {"frozen_weights": ["fc1.weight"]}})
+    trainer = ORTTrainer(
+        model, MLP_DESC, optim.AdamConfig(lr=0.1), loss_fn=ce, options={"utils": {"frozen_weights": ["fc1.weight"]}}
+    )
     for batch in mlp_batches(3):
         trainer.train_step(*batch)
     state = trainer.state_dict(pytorch_format=True)
@@ -95,7 +96,9 @@ def test_frozen_weights_stay_put_and_unknown_names_are_rejected():
     assert not torch.equal(state["fc1.bias"], model.fc1.bias.detach())
     assert "fc1.weight" not in trainer.state_dict()["optimizer"]
 
-    bad = ORTTrainer(MLP(), MLP_DESC, optim.AdamConfig(), loss_fn=ce, options={"utils": {"frozen_weights": ["fc3.weight"]}})
+    bad = ORTTrainer(
+        MLP(), MLP_DESC, optim.AdamConfig(), loss_fn=ce, options={"utils": {"frozen_weights": ["fc3.weight"]}}
+    )
     with pytest.raises(ValueError, match="frozen_weights names \\['fc3.weight'\\], which are not parameters"):
         bad.train_step(*mlp_batches(1)[0])
 
@@ -143,9 +146,16 @@ def _exported_mlp_with_loss(model):
     buffer = io.BytesIO()
     x, label = mlp_batches(1)[0]
     torch.onnx.export(
-        WithLoss(copy.deepcopy(model)), (x, label), buffer, input_names=["x", "label"], output_names=["loss"],
-        dynamic_axes={"x": {0: "batch"}, "label": {0: "batch"}}, opset_version=17, do_constant_folding=False,
-        training=torch.onnx.TrainingMode.TRAINING, dynamo=False,
+        WithLoss(copy.deepcopy(model)),
+        (x, label),
+        buffer,
+        input_names=["x", "label"],
+        output_names=["loss"],
+        dynamic_axes={"x": {0: "batch"}, "label": {0: "batch"}},
+        opset_version=17,
+        do_constant_folding=False,
+        training=torch.onnx.TrainingMode.TRAINING,
+        dynamo=False,
     )
     return onnx.load_from_string(buffer.getvalue())
 

@@ -64,7 +64,10 @@ def test_mlp_adam_mode0_matches_torch_adamw(clip):
     model = MLP()
     reference = copy.deepcopy(model)
     trainer = ORTTrainer(
-        model, MLP_DESC, optim.AdamConfig(lr=0.05, lambda_coef=0.01, max_norm_clip=0.5), loss_fn=ce,
+        model,
+        MLP_DESC,
+        optim.AdamConfig(lr=0.05, lambda_coef=0.01, max_norm_clip=0.5),
+        loss_fn=ce,
         options={"utils": {"grad_norm_clip": clip}},
     )
     opt = torch.optim.AdamW(reference.parameters(), lr=0.05, eps=1e-8, weight_decay=0.01)
@@ -101,7 +104,9 @@ def test_mlp_adam_mode1_matches_legacy_formula(bias_correction):
     model = MLP()
     reference = copy.deepcopy(model)
     config = optim.AdamConfig(
-        lr=0.02, lambda_coef=0.05, do_bias_correction=bias_correction,
+        lr=0.02,
+        lambda_coef=0.05,
+        do_bias_correction=bias_correction,
         weight_decay_mode=optim.DecayMode.AFTER_WEIGHT_UPDATE,
     )
     trainer = ORTTrainer(model, MLP_DESC, config, loss_fn=ce, options={"utils": {"grad_norm_clip": False}})
@@ -136,7 +141,9 @@ def test_cnn_batchnorm_statistics_and_eval_match_torch():
     torch.manual_seed(4)
     model = CNN()
     reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, CNN_DESC, optim.AdamConfig(lr=0.01), loss_fn=ce, options={"utils": {"grad_norm_clip": False}})
+    trainer = ORTTrainer(
+        model, CNN_DESC, optim.AdamConfig(lr=0.01), loss_fn=ce, options={"utils": {"grad_norm_clip": False}}
+    )
     batches = cnn_batches(STEPS)
     expected = _torch_run(reference, batches, ce, _adamw(reference, 0.01))
     got = _ort_run(trainer, batches)
@@ -171,7 +178,10 @@ def test_gradient_accumulation_equals_one_big_batch():
     model = MLP()
     big = ORTTrainer(copy.deepcopy(model), MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=ce)
     accumulated = ORTTrainer(
-        copy.deepcopy(model), MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=ce,
+        copy.deepcopy(model),
+        MLP_DESC,
+        optim.AdamConfig(lr=0.01),
+        loss_fn=ce,
         options={"batch": {"gradient_accumulation_steps": 4}},
     )
     for x, label in mlp_batches(5, batch=16):

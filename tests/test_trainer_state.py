@@ -22,7 +22,9 @@ FIXTURES = REPO.parent / "shared" / "fixtures" / "legacy"
 
 def _trainer(model=None, config=None, **options):
     torch.manual_seed(0)
-    return ORTTrainer(model or MLP(), MLP_DESC, config or optim.AdamConfig(lr=0.01), loss_fn=ce, options=options or None)
+    return ORTTrainer(
+        model or MLP(), MLP_DESC, config or optim.AdamConfig(lr=0.01), loss_fn=ce, options=options or None
+    )
 
 
 # ---------------------------------------------------------------------------- resume in a fresh process
@@ -70,8 +72,13 @@ def test_state_dict_layout_and_copies():
     assert set(state["optimizer"]["fc1.weight"]) == {"Moment_1", "Moment_2", "Update_Count"}
     assert state["optimizer"]["fc1.weight"]["Update_Count"].tolist() == [2]
     assert state["trainer_options"] == {
-        "mixed_precision": False, "zero_stage": 0, "world_rank": 0, "world_size": 1,
-        "optimizer_name": "AdamOptimizer", "data_parallel_size": 1, "horizontal_parallel_size": 1,
+        "mixed_precision": False,
+        "zero_stage": 0,
+        "world_rank": 0,
+        "world_size": 1,
+        "optimizer_name": "AdamOptimizer",
+        "data_parallel_size": 1,
+        "horizontal_parallel_size": 1,
     }
     assert state["train_step_info"] == {"optimization_step": 1, "step": 1}
     state["model"]["full_precision"]["fc1.weight"].zero_()  # a copy: training is not affected
@@ -121,14 +128,20 @@ def test_strict_load_reports_every_missing_and_unexpected_key_and_changes_nothin
     del bad["model"]["full_precision"]["fc2.bias"]
     del bad["model"]["full_precision"]["fc1.bias"]
     bad["model"]["full_precision"]["extra"] = torch.zeros(2)
-    with pytest.raises(KeyError, match=r"missing keys in state_dict\[model\]\[full_precision\]: \['fc1.bias', 'fc2.bias'\].*"
-                                       r"unexpected keys in state_dict\[model\]\[full_precision\]: \['extra'\]"):
+    with pytest.raises(
+        KeyError,
+        match=r"missing keys in state_dict\[model\]\[full_precision\]: \['fc1.bias', 'fc2.bias'\].*"
+        r"unexpected keys in state_dict\[model\]\[full_precision\]: \['extra'\]",
+    ):
         trainer.load_state_dict(bad)
     shaped = copy.deepcopy(before)
     shaped["model"]["full_precision"]["fc1.weight"] = torch.zeros(3, 3)
     shaped["train_step_info"]["step"] = 99
-    with pytest.raises(ValueError, match=r"shape mismatch for state_dict\[model\]\[full_precision\]\[fc1.weight\]: "
-                                         r"checkpoint has \(3, 3\), model has \(16, 20\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"shape mismatch for state_dict\[model\]\[full_precision\]\[fc1.weight\]: "
+        r"checkpoint has \(3, 3\), model has \(16, 20\)",
+    ):
         trainer.load_state_dict(shaped)
     wrong_opt = copy.deepcopy(before)
     wrong_opt["optimizer"]["fc1.weight"]["Moment_1"] = torch.zeros(2)
