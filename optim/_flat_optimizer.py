@@ -77,7 +77,9 @@ class FlatOptimizer:
         last: tuple[int, int] | None = None
         for i, slot in enumerate(self.layout.slots):
             key = (self._group_of[i], counts[i])
-            group = groups.setdefault(key[0], Group(hp=self._hyper_parameters(key[0])))
+            if key[0] not in groups:
+                groups[key[0]] = Group(hp=self._hyper_parameters(key[0]))
+            group = groups[key[0]]
             if key == last:
                 run = group.runs[-1]
                 run.end, run.stop = slot.end, i + 1

@@ -113,7 +113,7 @@ def adam_generic(group: Group, buf: Buffers, g: torch.Tensor, lr: float) -> None
         else:
             torch.sqrt(v, out=den).add_(eps)
             torch.div(m, den, out=tmp)
-            w.add_(tmp, alpha=-lr / c1)
+            w.add_(tmp, alpha=-lr * math.sqrt(c2) / c1)
             if lam:
                 w.add_(w, alpha=-lr * lam)
 

@@ -195,6 +195,36 @@ def test_adam_param_groups_apply_their_hyper_parameters():
     np.testing.assert_allclose(plain["fc1.bias"], ref["fc1.bias"], rtol=1e-12)
 
 
+@pytest.mark.parametrize("mode", list(DecayMode))
+def test_groups_split_across_the_layout(mode):
+    """A group whose parameters are not adjacent in the layout is updated run by run."""
+    cfg = AdamConfig(
+        [{"params": ["fc2.weight", "fc1.weight"], "alpha": 0.5, "lambda_coef": 0.3, "weight_decay_mode": mode}],
+        lr=0.02,
+        max_norm_clip=4.0,
+    )
+    layout, params, grads, opt = make(cfg)
+    assert layout.runs(cfg.params[0]["params"]) == [(0, 12), (16, 24)]
+    seq = grad_steps(layout.numel, 10)
+    ref, _ = run_reference(cfg, layout, params.clone(), seq, LRS[:10])
+    run_flat(opt, params, grads, seq, LRS[:10])
+    assert_matches(layout, params, ref, rtol=2e-6, atol=2e-7)
+
+
+def test_fused_adam_chunking_changes_nothing(monkeypatch):
+    # Pieces are multiples of the SIMD width (8 or 16 floats), as the real 2**20 chunk is, so the
+    # fused kernel computes every element exactly as on the whole run.
+    shapes = [("w", (5, 8)), ("b", (7,))]
+    seq = grad_steps(47, 5)
+    results = []
+    for chunk in (1 << 20, 16):  # one run of 47 elements; then pieces of 16, 16, 15
+        monkeypatch.setattr("optim._updates.FUSED_CHUNK", chunk)
+        layout, params, grads, opt = make(AdamConfig(lambda_coef=0.1), shapes)
+        run_flat(opt, params, grads, seq, LRS[:5])
+        results.append(params)
+    assert torch.equal(results[0], results[1])
+
+
 def test_params_updated_in_place_and_grads_untouched():
     layout, params, grads, opt = make(AdamConfig(weight_decay_mode=DecayMode.AFTER_WEIGHT_UPDATE))
     ptr, views, before = params.data_ptr(), layout.views(params), params.clone()
