@@ -161,8 +161,11 @@ class FlatOptimizer:
         self._lamb_step += 1
 
     # --------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """The optimizer state in the legacy layout, as detached COPIES (editing them is harmless).
+
+        ``copy=False`` returns views of the live moment buffers instead: for writers that stream the
+        state to disk (no second copy of the moments in memory) and readers that fill it in place.
 
         Adam: ``{param: {"Moment_1", "Moment_2", "Update_Count"}}``; LAMB: ``{param: {"Moment_1",
         "Moment_2"}, "shared_optimizer_state": {"Step"}}``; SGD: ``{}``. Moments have the
@@ -171,9 +174,8 @@ class FlatOptimizer:
         if self.kind == _SGD:
             return {}
         m, v = self.layout.views(self._buf.m), self.layout.views(self._buf.v)
-        state: dict[str, Any] = {
-            name: {"Moment_1": m[name].detach().clone(), "Moment_2": v[name].detach().clone()} for name in m
-        }
+        own = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+        state: dict[str, Any] = {name: {"Moment_1": own(m[name]), "Moment_2": own(v[name])} for name in m}
         if self.kind == _ADAM:
             for name, count in zip(self.layout.names, self._counts(), strict=True):
                 state[name][_state.UPDATE_COUNT] = torch.tensor([count], dtype=torch.int64)

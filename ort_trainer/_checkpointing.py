@@ -89,16 +89,50 @@ def _load_into_engine(trainer: ORTTrainer, reader: checkpoint.CheckpointReader, 
     """Phase 1: a state whose big tensors are shape-only placeholders is fully validated.
     Phase 2: read the big tensors straight into the live buffers, then apply the rest."""
     keys = reader.keys()
-    small = {key: reader.read(key) for key in keys if key not in (K.MODEL_KEY, K.USER_DICT_KEY)}
-    weights = _placeholders(reader, (K.MODEL_KEY, K.FULL_PRECISION_KEY)) if K.MODEL_KEY in keys else {}
-    state = {**small, K.MODEL_KEY: {K.FULL_PRECISION_KEY: weights}} if K.MODEL_KEY in keys else small
+    big = (K.MODEL_KEY, K.OPTIMIZER_KEY, K.USER_DICT_KEY)
+    state = {key: reader.read(key) for key in keys if key not in big}
+    if K.MODEL_KEY in keys:
+        state[K.MODEL_KEY] = {K.FULL_PRECISION_KEY: _placeholders(reader, (K.MODEL_KEY, K.FULL_PRECISION_KEY))}
+    if K.OPTIMIZER_KEY in keys:
+        state[K.OPTIMIZER_KEY] = _optimizer_placeholders(reader)
     plan = _state._validate(trainer, state, strict)
     engine = trainer._engine
     targets = {**engine.param_views, **engine.frozen}
-    for name in plan["weights"]:
+    for name in plan.pop("weights"):
         _read_into(reader, (K.MODEL_KEY, K.FULL_PRECISION_KEY, name), targets[name])
     plan["weights"] = {}
+    if "optimizer" in plan:
+        plan["optimizer"] = _read_moments(reader, plan["optimizer"], engine.optimizer.state_dict(copy=False))
     _state._apply(trainer, plan)
+
+
+def _optimizer_placeholders(reader: checkpoint.CheckpointReader) -> dict[str, Any]:
+    """The optimizer tree with moments as placeholders and the small counters read for real."""
+    tree: dict[str, Any] = {}
+    for name, entries in reader.tree_info((K.OPTIMIZER_KEY,)).items():
+        if not isinstance(entries, dict):
+            tree[name] = reader.read((K.OPTIMIZER_KEY, name))
+            continue
+        tree[name] = {
+            key: torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+            if key in K.SHARDED_OPTIMIZER_KEYS and isinstance(meta, checkpoint.DatasetInfo)
+            else reader.read((K.OPTIMIZER_KEY, name, key))
+            for key, meta in entries.items()
+        }
+    return tree
+
+
+def _read_moments(reader: checkpoint.CheckpointReader, validated: dict, live: dict) -> dict:
+    """Read every moment into the optimizer's live buffers; return what is left (the counters)."""
+    rest: dict[str, Any] = {}
+    for name, entry in validated.items():
+        if not isinstance(entry, dict) or name not in live:
+            rest[name] = entry
+            continue
+        for key in K.SHARDED_OPTIMIZER_KEYS & set(entry):
+            _read_into(reader, (K.OPTIMIZER_KEY, name, key), live[name][key])
+        rest[name] = {key: value for key, value in entry.items() if key not in K.SHARDED_OPTIMIZER_KEYS}
+    return rest
 
 
 def _placeholders(reader: checkpoint.CheckpointReader, prefix: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -50,7 +50,7 @@ def trainer_state_dict(trainer: ORTTrainer, pytorch_format: bool = False, copy_t
         K.MODEL_KEY: {K.FULL_PRECISION_KEY: {k: clone(v) for k, v in _model_tensors(trainer).items()}}
     }
     if engine is not None:
-        state[K.OPTIMIZER_KEY] = engine.optimizer.state_dict()
+        state[K.OPTIMIZER_KEY] = engine.optimizer.state_dict(copy=copy_tensors)
     state[K.TRAINER_OPTIONS_KEY] = _trainer_options(trainer)
     state[K.TRAIN_STEP_INFO_KEY] = trainer._train_step_info.state_dict()
     if trainer.options.lr_scheduler is not None:
