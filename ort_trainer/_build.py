@@ -39,6 +39,7 @@ class Engine:
     session: TrainingSession
     eval_model: onnx.ModelProto  # eval graph with parameters as inputs (for save_as_onnx)
     input_dtypes: tuple[torch.dtype, ...]
+    input_shapes: tuple[tuple[int, ...], ...]  # shapes traced at export (for clearer shape errors)
     fqn_to_onnx: dict[str, str] = field(default_factory=dict)
     bn_stats: list[BatchNormStats] = field(default_factory=list)
     batches_tracked: int = 0  # BatchNorm forward passes in training mode (torch's num_batches_tracked)
@@ -118,6 +119,7 @@ def _assemble(request, sample_inputs, trainable, frozen, initial, train_model, e
         session=session,
         eval_model=eval_model,
         input_dtypes=tuple(t.dtype for t in sample_inputs),
+        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
         fqn_to_onnx=fqn_to_onnx,
         bn_stats=bn_stats,
     )

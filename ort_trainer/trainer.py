@@ -7,6 +7,7 @@ lives elsewhere: `_build` (export + graphs + buffers), `_session` (ORT runs), `o
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -88,19 +89,21 @@ class ORTTrainer:
         """
         inputs = self._gather_inputs(args, kwargs)
         engine = self._ensure_built(inputs)
+        self._check_fetches()
         info = self._train_step_info
-        info.step += 1
-        lr = self._current_lr()
+        step = info.step + 1  # committed only once the run succeeded
         accumulation = self.options.batch.gradient_accumulation_steps
-        first_micro_step = (info.step - 1) % accumulation == 0
-        outputs = engine.session.run_train(
-            dict(zip(self.model_desc.input_names, inputs, strict=True)), first_micro_step
-        )
+        with _explain_shape_errors(self.model_desc.input_names, inputs, engine.input_shapes):
+            outputs = engine.session.run_train(
+                dict(zip(self.model_desc.input_names, inputs, strict=True)), (step - 1) % accumulation == 0
+            )
+        info.step = step
         if engine.bn_stats:
             engine.batches_tracked += 1
-        if info.step % accumulation == 0:
+        if step % accumulation == 0:
             # Gradients hold the sum over the micro-steps: dividing by `accumulation` is folded into the
             # optimizer's gradient divisor, which also keeps clipping exactly as on averaged gradients.
+            lr = self._current_lr()
             engine.optimizer.step(lr, loss_scale=float(accumulation), clip=self.options.utils.grad_norm_clip)
             info.optimization_step += 1
         return self._select_outputs(outputs)
@@ -109,7 +112,9 @@ class ORTTrainer:
         """Forward pass of the eval graph (dropout off, BatchNorm with running statistics)."""
         inputs = self._gather_inputs(args, kwargs)
         engine = self._ensure_built(inputs)
-        outputs = engine.session.run_eval(dict(zip(self.model_desc.input_names, inputs, strict=True)))
+        self._check_fetches()
+        with _explain_shape_errors(self.model_desc.input_names, inputs, engine.input_shapes):
+            outputs = engine.session.run_eval(dict(zip(self.model_desc.input_names, inputs, strict=True)))
         return self._select_outputs(outputs)
 
     # ------------------------------------------------------------------ export
@@ -222,12 +227,16 @@ class ORTTrainer:
             return float(self.optim_config.lr)
         return float(scheduler._step(self._train_step_info)[0])
 
+    def _check_fetches(self) -> None:
+        unknown = sorted(set(self._train_step_info.fetches or []) - set(self.model_desc.output_names))
+        if unknown:
+            raise ValueError(
+                f"fetches {unknown} are not outputs of the model; available: {list(self.model_desc.output_names)}"
+            )
+
     def _select_outputs(self, outputs: Mapping[str, torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
         fetches = list(self._train_step_info.fetches or [])
         names = fetches or [n for n in self.model_desc.output_names if n in outputs]
-        unknown = sorted(set(names) - set(outputs))
-        if unknown:
-            raise ValueError(f"fetches {unknown} are not outputs of the model; available: {sorted(outputs)}")
         results = [outputs[n] for n in names]
         return results[0] if len(results) == 1 else results
 
@@ -249,6 +258,28 @@ def _check_dtypes(names: Sequence[str], inputs: Sequence[torch.Tensor], expected
     for name, tensor, dtype in zip(names, inputs, expected, strict=True):
         if tensor.dtype != dtype:
             raise TypeError(f"input {name!r} has dtype {tensor.dtype}, but the graph was built for {dtype}")
+
+
+@contextlib.contextmanager
+def _explain_shape_errors(names: Sequence[str], inputs: Sequence[torch.Tensor], traced: Sequence[tuple[int, ...]]):
+    """ORT's failure on a shape the exporter baked in as a constant, re-raised naming the input and axis."""
+    try:
+        yield
+    except Exception as error:  # onnxruntime raises its own exception types (Fail, RuntimeException, ...)
+        changed = [
+            f"{name} axis {axis}: traced with {old}, got {new}"
+            for name, tensor, shape in zip(names, inputs, traced, strict=True)
+            for axis, (old, new) in enumerate(zip(shape, tensor.shape, strict=False))
+            if old != new
+        ]
+        if not changed:
+            raise
+        raise ValueError(
+            f"ONNX Runtime failed on inputs whose shapes differ from the ones the graph was traced with "
+            f"({'; '.join(changed)}). The TorchScript exporter sometimes bakes a dimension declared dynamic into "
+            "the graph (e.g. the sequence length inside nn.MultiheadAttention); keep that dimension fixed "
+            f"(pad your inputs) or declare it as an int in model_desc. ONNX Runtime said: {error}"
+        ) from error
 
 
 def _check_output_path(path: str | os.PathLike) -> Path:
