@@ -6,6 +6,7 @@ never copied here: a CPU tensor becomes a zero-copy numpy view at write time.
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ import torch
 from . import _schema as S
 
 __all__ = [
+    "CRC_WORKERS",
+    "STR_DTYPE",
+    "THREADED_CRC_BYTES",
     "Leaf",
     "bits_dtype",
     "crc32_array",
@@ -31,6 +35,10 @@ __all__ = [
 ]
 
 STR_DTYPE = h5py.string_dtype("utf-8")
+# Checksums of arrays at least this big run on worker threads, overlapping HDF5 I/O (zlib releases
+# the GIL); below it the thread hand-off costs more than the checksum.
+THREADED_CRC_BYTES = 1 << 20
+CRC_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 # torch dtypes numpy cannot represent: stored as unsigned integers of the same width (the bits),
 # with ATTR_TORCH_DTYPE naming the real dtype. The name list doubles as the allow-list on read.
@@ -189,7 +197,7 @@ def leaf_array(leaf: Leaf) -> Any:
             data = data.view(_BITS_BY_DTYPE[data.dtype][1])
         return data.numpy()
     if isinstance(data, np.ndarray) and (not data.dtype.isnative or not data.flags.c_contiguous):
-        return np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("="))
+        return np.asarray(data, dtype=data.dtype.newbyteorder("="), order="C")  # keeps 0-d arrays 0-d
     return data
 
 

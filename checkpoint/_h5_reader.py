@@ -16,10 +16,20 @@ from typing import Any, NamedTuple
 import h5py
 import numpy as np
 import torch
+from h5py import h5s
 
 from . import _schema as S
-from ._codec import bits_dtype, crc32_array, crc32_strings, decode_python_value, numpy_to_torch_dtype
-from ._h5_index import Node, h5_guard, scan_file, tree_digest
+from ._codec import (
+    CRC_WORKERS,
+    THREADED_CRC_BYTES,
+    bits_dtype,
+    crc32_array,
+    crc32_strings,
+    decode_python_value,
+    numpy_to_torch_dtype,
+)
+from ._h5_index import Node, h5_guard, load_attrs, scan_file, tree_digest
+from ._header import check_header
 from .errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -32,9 +42,16 @@ __all__ = ["CheckpointReader", "DatasetInfo", "Key", "load", "open_checkpoint", 
 
 Key = str | Sequence[str] | None
 _ARRAY_TYPES = frozenset({S.PY_TENSOR, S.PY_NDARRAY, S.PY_NUMPY_SCALAR})
-_PY_CLASSES = {S.PY_INT: int, S.PY_FLOAT: float, S.PY_BOOL: bool, S.PY_STR: str, S.PY_BYTES: bytes,
-               S.PY_NONE: type(None), S.PY_LIST: list, S.PY_TUPLE: tuple}  # fmt: skip
-_THREADED_CRC_BYTES = 1 << 20
+_PY_CLASSES = {
+    S.PY_INT: int,
+    S.PY_FLOAT: float,
+    S.PY_BOOL: bool,
+    S.PY_STR: str,
+    S.PY_BYTES: bytes,
+    S.PY_NONE: type(None),
+    S.PY_LIST: list,
+    S.PY_TUPLE: tuple,
+}
 _VERIFY_CHUNK_BYTES = 16 << 20
 
 
@@ -58,17 +75,22 @@ def split_key(key: Key) -> tuple[str, ...]:
     return tuple(key)
 
 
-def _open_h5(path: Path) -> h5py.File:
+def _open_h5(path: Path, verify: bool) -> tuple[h5py.File, bool]:
+    """Open read-only; with ``verify`` our header's metadata checksum is checked before HDF5 parses.
+
+    Returns the file and whether a verified header covered all its metadata.
+    """
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint file")
     if path.is_dir():
         raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file")
+    has_header = verify and check_header(path)
     if not h5py.is_hdf5(path):
         raise CheckpointFormatError(
             f"{path} is not an HDF5 file; expected a checkpoint written by checkpoint.save or the legacy ORTTrainer"
         )
     with h5_guard(str(path), "/ (file header)"):
-        return h5py.File(path, "r")
+        return h5py.File(path, "r"), has_header
 
 
 def _format_version(path: Path, attrs: dict[str, Any]) -> int:
@@ -81,12 +103,12 @@ def _format_version(path: Path, attrs: dict[str, Any]) -> int:
             f"{path} has checkpoint format version {version}, newer than the newest this library reads "
             f"({S.FORMAT_VERSION}); upgrade ort_trainer to read it"
         )
-    if fmt != S.FORMAT_NAME:
+    if fmt is not None and fmt != S.FORMAT_NAME:
         raise CheckpointFormatError(f"{path}: root attribute {S.ATTR_FORMAT}={fmt!r}, expected {S.FORMAT_NAME!r}")
-    if version != S.FORMAT_VERSION or S.ATTR_TREE_CRC32 not in attrs:
+    missing = sorted(set(S.ROOT_ATTRS) - set(attrs))
+    if missing or version != S.FORMAT_VERSION:
         raise CheckpointCorruptError(
-            f"{path}: damaged root attributes ({S.ATTR_FORMAT_VERSION}={version!r}, "
-            f"{S.ATTR_TREE_CRC32} {'present' if S.ATTR_TREE_CRC32 in attrs else 'missing'})"
+            f"{path}: damaged root attributes ({S.ATTR_FORMAT_VERSION}={version!r}, missing {missing})"
         )
     return version
 
@@ -104,8 +126,8 @@ class _Checksums:
             return
         if isinstance(data, str | list):
             self.pending.append((node, crc32_strings(data)))
-        elif isinstance(data, np.ndarray) and data.nbytes >= _THREADED_CRC_BYTES:
-            self.pool = self.pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
+        elif isinstance(data, np.ndarray) and data.nbytes >= THREADED_CRC_BYTES:
+            self.pool = self.pool or ThreadPoolExecutor(max_workers=CRC_WORKERS, thread_name_prefix="ckpt-crc")
             self.pending.append((node, self.pool.submit(crc32_array, data)))
         else:
             self.pending.append((node, 0 if data is None else crc32_array(data)))
@@ -136,7 +158,7 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         self.path = Path(os.fspath(path))
         self.verify_checksums = verify
-        self._file = _open_h5(self.path)
+        self._file, has_header = _open_h5(self.path, verify)
         try:
             with h5_guard(str(self.path), "/ (root attributes)"):
                 names = set(self._file.attrs.keys())
@@ -144,8 +166,12 @@ class CheckpointReader:
                 self.attrs: dict[str, Any] = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
             self.format_version = _format_version(self.path, self.attrs)
             size = self.path.stat().st_size
-            self._root = scan_file(self._file, str(self.path), ours=not self.is_legacy, file_size=size)
-            if verify and not self.is_legacy and tree_digest(self._root, self.attrs) != self.attrs[S.ATTR_TREE_CRC32]:
+            # The structure digest is needed only when no verified header already covered the metadata.
+            digest = verify and not self.is_legacy and not has_header
+            self._root = scan_file(
+                self._file, str(self.path), ours=not self.is_legacy, file_size=size, eager_attrs=digest
+            )
+            if digest and tree_digest(self._root, self.attrs) != self.attrs[S.ATTR_TREE_CRC32]:
                 raise CheckpointCorruptError(
                     f"{self.path}: structure checksum mismatch: names, shapes, dtypes or attributes are damaged"
                 )
@@ -197,7 +223,7 @@ class CheckpointReader:
 
     def _info(self, node: Node) -> DatasetInfo:
         shape = () if node.shape is None else tuple(node.shape)
-        py_type = node.attrs.get(S.ATTR_PY_TYPE)
+        py_type = load_attrs(node, str(self.path)).get(S.ATTR_PY_TYPE)
         if not self.is_legacy and py_type in _PY_CLASSES:
             return DatasetInfo(shape if py_type in (S.PY_LIST, S.PY_TUPLE) else (), _PY_CLASSES[py_type])
         if self.is_legacy and (node.shape in (None, ()) or node.dtype.kind in "OSU"):
@@ -225,7 +251,7 @@ class CheckpointReader:
     # ---- reading ---------------------------------------------------------------------------------
     def _torch_dtype(self, node: Node) -> tuple[torch.dtype, torch.dtype | None]:
         """(dtype to return, bits dtype the file stores it as or None) for an array dataset."""
-        name = node.attrs.get(S.ATTR_TORCH_DTYPE)
+        name = load_attrs(node, str(self.path)).get(S.ATTR_TORCH_DTYPE)
         if name is not None and not self.is_legacy:
             pair = bits_dtype(str(name))
             if pair is None or numpy_to_torch_dtype(node.dtype) != pair[1]:
@@ -245,14 +271,14 @@ class CheckpointReader:
         array = target.numpy()
         with h5_guard(str(self.path), node.h5path):
             if array.size:
-                node.dataset.read_direct(array)
+                node.dataset.read(h5s.ALL, h5s.ALL, array)
         checks.add(node, array)
         return out
 
     def _read_value(self, node: Node, checks: _Checksums) -> Any:
         if self.is_legacy:
             return self._read_legacy(node, checks)
-        py_type = node.attrs.get(S.ATTR_PY_TYPE)
+        py_type = load_attrs(node, str(self.path)).get(S.ATTR_PY_TYPE)
         if py_type not in S.PY_TYPES:
             raise CheckpointCorruptError(f"{self.path}: '{node.h5path}' has no valid {S.ATTR_PY_TYPE} attribute")
         if py_type in _ARRAY_TYPES:
@@ -260,7 +286,8 @@ class CheckpointReader:
         with h5_guard(str(self.path), node.h5path):
             data: Any = None
             if py_type != S.PY_NONE:
-                data = node.dataset.asstr()[()] if node.dtype.kind == "O" else node.dataset[()]
+                ds = h5py.Dataset(node.dataset)
+                data = ds.asstr()[()] if node.dtype.kind == "O" else ds[()]
                 data = data.tolist() if isinstance(data, np.ndarray) and data.dtype.kind == "O" else data
             checks.add(node, data)
             return decode_python_value(py_type, data)
@@ -270,11 +297,11 @@ class CheckpointReader:
             return None
         if node.dtype.kind in "OSU":
             with h5_guard(str(self.path), node.h5path):
-                data = node.dataset[()]
+                data = h5py.Dataset(node.dataset)[()]
             return _legacy_str(data)
         if node.shape == ():
             with h5_guard(str(self.path), node.h5path):
-                return node.dataset[()].item()
+                return h5py.Dataset(node.dataset)[()].item()
         return self._read_array(node, checks)
 
     def _read_tree(self, node: Node, checks: _Checksums) -> Any:
@@ -336,11 +363,11 @@ class CheckpointReader:
                 stack.extend(node.children.values())
                 continue
             count += 1
-            if node.attrs.get(S.ATTR_PY_TYPE) not in _ARRAY_TYPES or node.shape in (None, ()):
+            if load_attrs(node, str(self.path)).get(S.ATTR_PY_TYPE) not in _ARRAY_TYPES or node.shape in (None, ()):
                 self._read_value(node, checks)
                 continue
             with h5_guard(str(self.path), node.h5path):
-                checks.pending.append((node, _streamed_crc(node.dataset)))
+                checks.pending.append((node, _streamed_crc(h5py.Dataset(node.dataset))))
         checks.finish()
         return count
 

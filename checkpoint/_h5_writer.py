@@ -1,8 +1,10 @@
 """Atomic HDF5 save of a nested mapping (see FORMAT.md for the layout it produces).
 
 Call order inside :func:`save`: validate and encode the whole tree (no file touched), write a
-temporary file in the target folder, fsync it, publish it under the final name with one atomic
-rename, fsync the folder. Any failure removes the temporary file and leaves an old file intact.
+temporary file in the target folder (datasets with CRC-32 attributes, root attributes and the
+structure digest), close it, stamp the checksummed header into its user block, fsync it, publish
+it under the final name with one atomic step, fsync the folder. Any failure removes the temporary
+file and leaves an old file intact.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import functools
 import os
 import re
 import secrets
-import sys
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,20 +22,30 @@ from typing import Any
 
 import h5py
 import numpy as np
+from h5py import h5d, h5g
 
+from . import _h5_lowlevel as ll
 from . import _schema as S
-from ._codec import STR_DTYPE, Leaf, crc32_array, crc32_strings, encode_leaf, escape_key, leaf_array
-from ._h5_index import scan_file, tree_digest
+from ._codec import (
+    CRC_WORKERS,
+    STR_DTYPE,
+    THREADED_CRC_BYTES,
+    Leaf,
+    crc32_array,
+    crc32_strings,
+    encode_leaf,
+    escape_key,
+    leaf_array,
+)
+from ._h5_index import Node, tree_digest
+from ._header import userblock_size, write_header
 from .errors import CheckpointExistsError
 
 __all__ = ["cleanup_temp_files", "plan_tree", "save"]
 
-# Checksums of arrays at least this big run on a worker thread while h5py writes the next dataset
-# (zlib releases the GIL); below it the thread hand-off costs more than the checksum.
-_THREADED_CRC_BYTES = 1 << 20
 _TEMP_RE = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$")
 
-Entry = tuple[str, Leaf | None]  # (absolute HDF5 path, leaf) ; leaf None = group
+Entry = tuple[str, str, Leaf | None]  # (absolute HDF5 path, original key, leaf); leaf None = group
 
 
 @functools.cache
@@ -67,50 +78,75 @@ def _plan(tree: Mapping, h5prefix: str, keypath: tuple[str, ...], entries: list[
             raise ValueError(f"empty key at '{where}': HDF5 cannot store an empty name")
         h5path = f"{h5prefix}/{escape_key(key)}"
         if isinstance(value, Mapping):
-            entries.append((h5path, None))
+            entries.append((h5path, key, None))
             _plan(value, h5path, (*keypath, key), entries, active)
         else:
-            entries.append((h5path, encode_leaf(value, where)))
+            entries.append((h5path, key, encode_leaf(value, where)))
     active.discard(id(tree))
 
 
-def _write_leaf(f: h5py.File, h5path: str, leaf: Leaf, pool: ThreadPoolExecutor) -> int | Future[int]:
-    """Create one dataset with its type attributes; return its checksum (or a future of it)."""
+def _write_leaf(parent: h5g.GroupID, name: str, leaf: Leaf, pool: ThreadPoolExecutor) -> tuple[h5d.DatasetID, Any]:
+    """Create one dataset with its type attributes; return it and its checksum (or a future of it)."""
     data = leaf_array(leaf)
     if isinstance(data, str) or (isinstance(data, list) and data):
-        ds = f.create_dataset(h5path, data=data, dtype=STR_DTYPE)
+        dsid = h5py.Group(parent).create_dataset(name, data=data, dtype=STR_DTYPE).id
         crc: int | Future[int] = crc32_strings(data)
-    elif isinstance(data, h5py.Empty):
-        ds = f.create_dataset(h5path, data=data)
-        crc = 0
     else:
-        ds = f.create_dataset(h5path, data=data)  # contiguous, no filters: h5py writes from `data` in place
-        big = data.nbytes >= _THREADED_CRC_BYTES
-        crc = pool.submit(crc32_array, data) if big else crc32_array(data)
-    for name, value in leaf.attrs.items():
-        ds.attrs[name] = value
-    return crc
+        dsid = ll.create_array(parent, name, data)  # contiguous, no filters: written from `data` in place
+        big = not isinstance(data, h5py.Empty) and data.nbytes >= THREADED_CRC_BYTES
+        crc = 0 if isinstance(data, h5py.Empty) else pool.submit(crc32_array, data) if big else crc32_array(data)
+    for attr, value in leaf.attrs.items():
+        ll.write_attr(dsid, attr, value)
+    return dsid, crc
+
+
+def _raw_ranges(datasets: list[h5d.DatasetID]) -> list[tuple[int, int]]:
+    """File byte ranges holding fixed-size array data (everything else is HDF5 metadata)."""
+    ranges = []
+    for dsid in datasets:
+        offset = dsid.get_offset()
+        if dsid.dtype.kind != "O" and offset is not None:
+            ranges.append((offset, dsid.get_storage_size()))
+    return ranges
+
+
+def _write_tree(f: h5py.File, entries: list[Entry]) -> tuple[Node, list[h5d.DatasetID]]:
+    """Create every group and dataset; return the index the reader would build, and the datasets."""
+    root = Node("/", (), True)
+    groups: dict[str, tuple[h5g.GroupID, Node]] = {"": (h5g.open(f.id, b"/"), root)}
+    written = []
+    with ThreadPoolExecutor(max_workers=CRC_WORKERS, thread_name_prefix="ckpt-crc") as pool:
+        for h5path, key, leaf in entries:
+            parent_path, _, name = h5path.rpartition("/")
+            parent_id, parent = groups[parent_path]
+            if leaf is None:
+                node = Node(h5path, (), True)
+                groups[h5path] = (ll.create_group(parent_id, name), node)
+            else:
+                dsid, crc = _write_leaf(parent_id, name, leaf, pool)
+                shape = None if isinstance(leaf.data, h5py.Empty) else dsid.shape
+                node = Node(h5path, (), False, shape=shape, dtype=dsid.dtype, attrs=dict(leaf.attrs))
+                written.append((dsid, node, crc))
+            parent.children[key] = node
+    for dsid, node, crc in written:
+        node.attrs[S.ATTR_CRC32] = int(crc.result() if isinstance(crc, Future) else crc)
+        ll.write_attr(dsid, S.ATTR_CRC32, node.attrs[S.ATTR_CRC32])
+    return root, [dsid for dsid, _, _ in written]
 
 
 def _write_file(tmp: Path, entries: list[Entry]) -> None:
-    with h5py.File(tmp, "w-") as f:
-        checksums: list[tuple[str, int | Future[int]]] = []
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc") as pool:
-            for h5path, leaf in entries:
-                if leaf is None:
-                    f.create_group(h5path)
-                else:
-                    checksums.append((h5path, _write_leaf(f, h5path, leaf, pool)))
-        for h5path, crc in checksums:
-            f[h5path].attrs[S.ATTR_CRC32] = np.uint32(crc.result() if isinstance(crc, Future) else crc)
+    ub_size = userblock_size(sum(leaf is not None for _, _, leaf in entries))
+    with h5py.File(tmp, "w-", userblock_size=ub_size) as f:
+        root, datasets = _write_tree(f, entries)
         root_attrs = {
             S.ATTR_FORMAT: S.FORMAT_NAME,
             S.ATTR_FORMAT_VERSION: S.FORMAT_VERSION,
             S.ATTR_LIBRARY_VERSION: library_version(),
         }
         f.attrs.update(root_attrs)
-        root = scan_file(f, str(tmp), ours=True, file_size=sys.maxsize)
         f.attrs[S.ATTR_TREE_CRC32] = np.uint32(tree_digest(root, root_attrs))
+        ranges = _raw_ranges(datasets)
+    write_header(tmp, ub_size, ranges)
     _fsync(tmp, os.O_RDONLY)
 
 
@@ -149,7 +185,8 @@ def save(tree: Mapping[str, Any], path: str | os.PathLike[str], *, overwrite: bo
     Mappings become groups; leaves may be CPU/GPU torch tensors (any dtype, bfloat16 and float8
     stored as their bits), numpy arrays and scalars, int, float, bool, str, bytes, None, and
     lists/tuples of one scalar type. Keys must be non-empty str; '/' and '%' in keys are
-    percent-encoded. Every dataset carries a CRC-32 and the root a digest of the structure.
+    percent-encoded. Every dataset carries a CRC-32, the root a digest of the structure, and a
+    header in the HDF5 user block a checksum of all metadata (see FORMAT.md).
     Readers see the old file or the new one, never a partial one; an interrupted save may leave a
     hidden ``.<name>.tmp-<pid>-<hex>`` file (see :func:`cleanup_temp_files`).
 
