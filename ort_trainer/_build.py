@@ -17,6 +17,7 @@ from onnx import numpy_helper
 
 from optim import FlatLayout, FlatOptimizer
 
+from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
 from ._export import export_torch_model, onnx_model_parameters
 from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
@@ -35,7 +36,7 @@ class Engine:
     param_views: dict[str, torch.Tensor]
     grad_views: dict[str, torch.Tensor]
     frozen: dict[str, torch.Tensor]  # non-trainable float state (frozen weights, buffers), by ONNX name
-    optimizer: FlatOptimizer
+    optimizer: FlatOptimizer | ShardedOptimizer
     session: TrainingSession
     eval_model: onnx.ModelProto  # eval graph with parameters as inputs (for save_as_onnx)
     input_dtypes: tuple[torch.dtype, ...]
@@ -43,6 +44,11 @@ class Engine:
     fqn_to_onnx: dict[str, str] = field(default_factory=dict)
     bn_stats: list[BatchNormStats] = field(default_factory=list)
     batches_tracked: int = 0  # BatchNorm forward passes in training mode (torch's num_batches_tracked)
+    dist: DistributedContext | None = None
+    zero: ZeroPartition | None = None
+    zero_stage: int = 0
+    padded_params: torch.Tensor | None = None  # ZeRO: params padded to D*32 (what is all-gathered)
+    padded_grads: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class BuildRequest:
     session_options: ort.SessionOptions
     graph_save_paths: object | None = None
     initial_state: Mapping[str, torch.Tensor] | None = None  # torch values captured before export
+    dist: DistributedContext | None = None
+    zero_stage: int = 0
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
@@ -90,13 +98,24 @@ def _assemble(request, sample_inputs, trainable, frozen, initial, train_model, e
     if not_fp32:
         raise TypeError(f"trainable parameters must be float32, got: {not_fp32}")
     layout = FlatLayout([(name, tuple(initial[name].shape)) for name in trainable])
-    params = torch.empty(layout.numel, dtype=torch.float32, device=device)
-    grads = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+    dist = request.dist
+    zero = ZeroPartition(layout, dist.world_size, dist.rank) if dist and request.zero_stage > 0 else None
+    allocated = zero.padded if zero is not None else layout.numel
+    padded_params = torch.zeros(allocated, dtype=torch.float32, device=device)
+    padded_grads = torch.zeros(allocated, dtype=torch.float32, device=device)
+    params, grads = padded_params[: layout.numel], padded_grads[: layout.numel]
     param_views, grad_views = layout.views(params), layout.views(grads)
     for name, view in param_views.items():
         view.copy_(initial[name])
     frozen_state = {name: initial[name].detach().to(device=device, dtype=torch.float32).clone() for name in frozen}
-    optimizer = FlatOptimizer(request.optim_config, layout, params, grads)
+    if dist is not None:  # every rank starts from rank 0's weights
+        dist.broadcast_(params)
+        for tensor in frozen_state.values():
+            dist.broadcast_(tensor)
+    if zero is not None:
+        optimizer = ShardedOptimizer(request.optim_config, zero, padded_params, padded_grads)
+    else:
+        optimizer = FlatOptimizer(request.optim_config, layout, params, grads)
     session = TrainingSession(
         train_model,
         eval_model,
@@ -122,6 +141,11 @@ def _assemble(request, sample_inputs, trainable, frozen, initial, train_model, e
         input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
         fqn_to_onnx=fqn_to_onnx,
         bn_stats=bn_stats,
+        dist=dist,
+        zero=zero,
+        zero_stage=request.zero_stage if dist is not None else 0,
+        padded_params=padded_params,
+        padded_grads=padded_grads,
     )
 
 

@@ -51,6 +51,8 @@ def trainer_state_dict(trainer: ORTTrainer, pytorch_format: bool = False, copy_t
     }
     if engine is not None:
         state[K.OPTIMIZER_KEY] = engine.optimizer.state_dict(copy=copy_tensors)
+    if engine is not None and engine.zero is not None:
+        state[K.PARTITION_INFO_KEY] = engine.zero.partition_info()
     state[K.TRAINER_OPTIONS_KEY] = _trainer_options(trainer)
     state[K.TRAIN_STEP_INFO_KEY] = trainer._train_step_info.state_dict()
     if trainer.options.lr_scheduler is not None:

@@ -8,6 +8,7 @@ lives elsewhere: `_build` (export + graphs + buffers), `_session` (ORT runs), `o
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from optim.config import _OptimizerConfig
 
 from . import _state
 from ._build import BuildRequest, Engine, build_engine
+from ._distributed import DistributedContext
 from ._session import resolve_device
 from .model_desc import ModelDescription, check_inputs, validate_model_desc
 from .options import ORTTrainerOptions
@@ -63,6 +65,18 @@ class ORTTrainer:
         self.loss_fn = loss_fn
         self._model = model
         self._device = resolve_device(self.options.device.id, self.options.provider_options)
+        self._zero_stage = self.options.distributed.deepspeed_zero_optimization.stage
+        if self._zero_stage > 0 and optim_config.name == "LambOptimizer":
+            raise NotImplementedError(
+                "ZeRO with LAMB is not implemented yet: LAMB's per-tensor trust ratio needs norms of whole "
+                "tensors, which ZeRO splits across ranks; use AdamConfig or SGDConfig, or zero stage 0"
+            )
+        dist_options = self.options.distributed
+        self._dist = (
+            DistributedContext(dist_options.world_rank, dist_options.world_size, self._device.torch_device)
+            if dist_options.world_size > 1
+            else None
+        )
         self._train_step_info = TrainStepInfo(optim_config)
         self._engine: Engine | None = None
         self._pending_state: tuple[Mapping, bool] | None = None
@@ -101,10 +115,7 @@ class ORTTrainer:
         if engine.bn_stats:
             engine.batches_tracked += 1
         if step % accumulation == 0:
-            # Gradients hold the sum over the micro-steps: dividing by `accumulation` is folded into the
-            # optimizer's gradient divisor, which also keeps clipping exactly as on averaged gradients.
-            lr = self._current_lr()
-            engine.optimizer.step(lr, loss_scale=float(accumulation), clip=self.options.utils.grad_norm_clip)
+            self._update(engine, self._current_lr(), accumulation)
             info.optimization_step += 1
         return self._select_outputs(outputs)
 
@@ -186,6 +197,28 @@ class ORTTrainer:
                 _state.load_trainer_state_dict(self, pending, strict=strict)
         return self._engine
 
+    def _update(self, engine: Engine, lr: float, accumulation: int) -> None:
+        """Average gradients over micro-steps and ranks, clip, update (ZeRO: own range, then all-gather).
+
+        Gradients hold the sum over micro-steps and ranks; dividing by that count is folded into the
+        optimizer's gradient divisor, which keeps clipping exactly as on averaged gradients.
+        """
+        clip = self.options.utils.grad_norm_clip
+        ctx, world, norm = engine.dist, 1, None
+        if ctx is not None:
+            world = ctx.world_size
+            if engine.zero is not None and engine.zero_stage >= 2:
+                ctx.reduce_to_owners_(engine.padded_grads, engine.zero.chunk)
+                own = engine.padded_grads[engine.zero.rank * engine.zero.chunk :][: engine.zero.chunk]
+                norm = math.sqrt(ctx.sum_scalar(float(own.double().square().sum()))) if clip else None
+            else:
+                ctx.all_reduce_(engine.padded_grads)
+                if clip and engine.zero is not None:
+                    norm = float(torch.linalg.vector_norm(engine.grads))
+        engine.optimizer.step(lr, loss_scale=float(accumulation * world), clip=clip, grad_norm=norm)
+        if engine.zero is not None:
+            ctx.all_gather_chunks_(engine.padded_params, engine.zero.chunk)
+
     def _build_request(self) -> BuildRequest:
         return BuildRequest(
             model=self._model,
@@ -198,6 +231,8 @@ class ORTTrainer:
             session_options=self._session_options(),
             graph_save_paths=self.options.debug.graph_save_paths,
             initial_state=self._initial_state,
+            dist=self._dist,
+            zero_stage=self._zero_stage,
         )
 
     def _session_options(self) -> ort.SessionOptions:

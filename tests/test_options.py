@@ -306,7 +306,6 @@ def test_defaults_are_implemented():
 @pytest.mark.parametrize(
     ("raw", "path"),
     [
-        ({"distributed": {"world_size": 2}}, "distributed.world_size=2: distributed training"),
         ({"distributed": {"world_size": 2, "horizontal_parallel_size": 2}}, "horizontal_parallel_size=2: Megatron"),
         ({"distributed": {"pipeline_parallel": {"pipeline_parallel_size": 2}}}, "pipeline_parallel_size=2"),
         ({"distributed": {"pipeline_parallel": {"num_pipeline_micro_batches": 4}}}, "num_pipeline_micro_batches=4"),

@@ -1,0 +1,192 @@
+"""Data parallel and ZeRO on `torch.distributed`, over the trainer's flat buffers.
+
+One process per rank (torchrun). Gradients are averaged with collectives over buckets of the flat
+gradient buffer; ZeRO (reference §3.2) pads the flat buffer to a multiple of ``D * 32`` and gives rank
+``r`` the contiguous range ``[r*C, (r+1)*C)``: it keeps optimizer state only for that range, updates
+it, and the parameters are all-gathered. Stage 1 all-reduces gradients; stage 2 reduces each chunk
+to its owner only (a reduce-scatter; done as per-owner reduces because gloo has no reduce_scatter).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from optim import FlatLayout, FlatOptimizer
+
+__all__ = ["DistributedContext", "ShardedOptimizer", "ZeroPartition"]
+
+_ALIGNMENT_PER_RANK = 32  # legacy: the flat buffer is padded to a multiple of D * 32
+_BUCKET_NUMEL = 8 * 1024 * 1024  # 32 MB of float32 per collective
+
+
+class DistributedContext:
+    """This process's place in the data-parallel group, with the collectives the trainer needs."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        _ensure_process_group(rank, world_size, device)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        for bucket in _buckets(tensor):
+            dist.broadcast(bucket, src)
+
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        """Sum over ranks, in place, bucket by bucket (one collective per 32 MB)."""
+        for bucket in _buckets(tensor):
+            dist.all_reduce(bucket, op=dist.ReduceOp.SUM)
+
+    def reduce_to_owners_(self, tensor: torch.Tensor, chunk: int) -> None:
+        """Sum chunk ``r`` of ``tensor`` onto rank ``r`` only (stage-2 reduce-scatter)."""
+        for owner in range(self.world_size):
+            for bucket in _buckets(tensor[owner * chunk : (owner + 1) * chunk]):
+                dist.reduce(bucket, dst=owner, op=dist.ReduceOp.SUM)
+
+    def all_gather_chunks_(self, tensor: torch.Tensor, chunk: int) -> None:
+        """Every rank gets every rank's chunk of ``tensor`` (ZeRO parameter all-gather), in place."""
+        parts = [tensor[r * chunk : (r + 1) * chunk] for r in range(self.world_size)]
+        dist.all_gather(parts, parts[self.rank].clone())
+
+    def sum_scalar(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shared_run_id(self) -> str:
+        """One id for all ranks of a save (chosen by rank 0), so files of different runs never mix."""
+        box = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])
+
+
+def _ensure_process_group(rank: int, world_size: int, device: torch.device) -> None:
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise ValueError(
+                f"options.distributed says world_rank={rank}, world_size={world_size}, but the existing default "
+                f"process group has rank {dist.get_rank()} of {dist.get_world_size()}"
+            )
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"world_size={world_size} needs a process group: launch with torchrun, or set {missing} "
+            "(and RANK/WORLD_SIZE), or call torch.distributed.init_process_group before creating the trainer"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+def _buckets(tensor: torch.Tensor):
+    flat = tensor.view(-1)
+    for start in range(0, flat.numel(), _BUCKET_NUMEL):
+        yield flat[start : start + _BUCKET_NUMEL]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    name: str
+    start: int  # offset of the piece within the flattened parameter
+    numel: int
+    shape: tuple[int, ...]  # the parameter's full shape
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.numel == _prod(self.shape)
+
+
+class ZeroPartition:
+    """Which contiguous range of the (padded) flat buffer each data-parallel rank owns."""
+
+    def __init__(self, layout: FlatLayout, world_size: int, rank: int):
+        alignment = world_size * _ALIGNMENT_PER_RANK
+        self.total = layout.numel
+        self.padded = -(-self.total // alignment) * alignment
+        self.chunk = self.padded // world_size
+        self.rank, self.world_size = rank, world_size
+        self.all_names = frozenset(layout.names)
+        self.start = min(rank * self.chunk, self.total)
+        self.end = min((rank + 1) * self.chunk, self.total)
+        self.pieces = [p for p in (_piece(slot, self.start, self.end) for slot in layout.slots) if p is not None]
+        self.straddling = {slot.name for slot in layout.slots if _crosses_boundary(slot, self.chunk)}
+
+    def local_layout(self) -> FlatLayout:
+        return FlatLayout([(p.name, p.shape if p.whole else (p.numel,)) for p in self.pieces])
+
+    def partition_info(self) -> dict[str, dict]:
+        """Legacy ``partition_info`` for this rank's straddling pieces, with our ``offset`` key."""
+        return {
+            p.name: {"original_dim": list(p.shape), "megatron_row_partition": -1, "offset": p.start}
+            for p in self.pieces
+            if p.name in self.straddling
+        }
+
+
+def _piece(slot, start: int, end: int) -> _Piece | None:
+    lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
+    return _Piece(slot.name, lo - slot.offset, hi - lo, tuple(slot.shape)) if hi > lo else None
+
+
+def _crosses_boundary(slot, chunk: int) -> bool:
+    return slot.numel > 0 and slot.offset // chunk != (slot.offset + slot.numel - 1) // chunk
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class ShardedOptimizer:
+    """`FlatOptimizer` over this rank's ZeRO range, speaking the per-rank legacy state layout.
+
+    State entries of parameters wholly inside the range keep their shape; straddling parameters have
+    1-D pieces. ``load_state_dict`` also accepts full (single-process) entries and slices them.
+    """
+
+    def __init__(self, config, partition: ZeroPartition, params: torch.Tensor, grads: torch.Tensor):
+        self.partition = partition
+        self.layout = partition.local_layout()
+        self._inner = FlatOptimizer(
+            config, self.layout, params[partition.start : partition.end], grads[partition.start : partition.end]
+        )
+        self.config = config
+
+    def step(self, lr: float, *, loss_scale: float = 1.0, clip: bool = True, grad_norm: float | None = None) -> None:
+        if self.layout.numel:
+            self._inner.step(lr, loss_scale=loss_scale, clip=clip, grad_norm=grad_norm)
+
+    def state_dict(self, *, copy: bool = True) -> dict:
+        return self._inner.state_dict(copy=copy)
+
+    def validate_state_dict(self, state: Mapping, *, strict: bool = True, where: str = "state_dict[optimizer]"):
+        self._inner.validate_state_dict(self._localize(state), strict=strict, where=where)
+
+    def load_state_dict(self, state: Mapping, strict: bool = True) -> None:
+        self._inner.load_state_dict(self._localize(state), strict=strict)
+
+    def _localize(self, state: Mapping) -> dict:
+        """Slice full-shaped moments down to this rank's pieces; drop the entries other ranks own."""
+        pieces = {p.name: p for p in self.partition.pieces}
+        local = {}
+        for name, entry in state.items():
+            if name in pieces and isinstance(entry, Mapping):
+                local[name] = {key: _slice_moment(value, pieces[name]) for key, value in entry.items()}
+            elif name not in self.partition.all_names:
+                local[name] = entry  # shared state, or an unknown key that validation will report
+        return local
+
+
+def _slice_moment(value, piece: _Piece):
+    if not isinstance(value, torch.Tensor) or piece.whole or tuple(value.shape) != piece.shape:
+        return value
+    return value.reshape(-1)[piece.start : piece.start + piece.numel]

@@ -1,0 +1,70 @@
+"""One rank of a multi-process test (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the launcher).
+
+Trains the MLP on this rank's shard of a fixed global batch, optionally loads / saves checkpoints,
+and dumps what the test compares with `checkpoint.save`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+import checkpoint
+from ort_trainer import ORTTrainer, optim
+from tests.models import MLP, MLP_DESC, mlp_batches
+
+
+def make_trainer(zero: int, clip: bool, optimizer: str = "adam") -> ORTTrainer:
+    torch.manual_seed(int(os.environ.get("RANK", 0)) + 100)  # different init per rank: rank 0's must win
+    config = optim.AdamConfig(lr=0.02, lambda_coef=0.01, max_norm_clip=0.5) if optimizer == "adam" else None
+    config = config or optim.SGDConfig(lr=0.1)
+    options = {
+        "distributed": {"deepspeed_zero_optimization": {"stage": zero}},
+        "utils": {"grad_norm_clip": clip},
+        "batch": {"gradient_accumulation_steps": 2},
+    }
+    return ORTTrainer(MLP(), MLP_DESC, config, loss_fn=torch.nn.functional.cross_entropy, options=options)
+
+
+def shard(batch, rank: int, world: int):
+    return [t.chunk(world)[rank] for t in batch]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--zero", type=int, default=0)
+    parser.add_argument("--clip", type=int, default=1)
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--stop", type=int, default=8)
+    parser.add_argument("--load", nargs="*")
+    parser.add_argument("--save")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    trainer = make_trainer(args.zero, bool(args.clip), args.optimizer)
+    if args.load:
+        trainer.load_checkpoint(*args.load)
+    losses = []
+    for batch in mlp_batches(args.stop, batch=12)[args.start :]:
+        losses.append(trainer.train_step(*shard(batch, rank, world)).item())
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    state = {
+        "weights": trainer.state_dict(pytorch_format=True),
+        "losses": torch.tensor(losses),
+        "optimizer_numel": sum(
+            v.numel()
+            for entry in trainer.state_dict()["optimizer"].values()
+            for v in entry.values()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ),
+        "train_step_info": trainer.train_step_info.state_dict(),
+    }
+    checkpoint.save(state, os.path.join(args.out, f"rank{rank}.h5"), overwrite=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Multi-process data parallel and ZeRO (gloo on 127.0.0.1), against one process on the whole batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+from tests.dist_worker import make_trainer
+from tests.models import mlp_batches
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, out: Path, *args) -> list[dict]:
+    """Run `world` ranks of tests.dist_worker; kill them all on any failure or timeout."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [sys.executable, "-m", "tests.dist_worker", "--out", str(out), *map(str, args)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        logs = [p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [
+        (r, p.returncode, log[-2500:]) for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode
+    ]
+    assert not failed, f"ranks failed: {failed}"
+    return [checkpoint.load(out / f"rank{r}.h5") for r in range(world)]
+
+
+def single_process(zero: int = 0, steps: int = 8, clip: bool = True, optimizer: str = "adam"):
+    os.environ.pop("WORLD_SIZE", None)
+    os.environ.pop("RANK", None)
+    trainer = make_trainer(0, clip, optimizer)
+    torch.manual_seed(100)  # rank 0's initial weights
+    from tests.models import MLP
+
+    trainer.load_state_dict(MLP().state_dict())
+    losses = [trainer.train_step(*batch).item() for batch in mlp_batches(steps, batch=12)]
+    return trainer, losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_process()
+
+
+@pytest.mark.parametrize(("world", "zero"), [(2, 0), (2, 1), (3, 2)])
+def test_data_parallel_and_zero_match_one_process_on_the_whole_batch(tmp_path, reference, world, zero):
+    trainer, losses = reference
+    ranks = launch(world, tmp_path, "--zero", zero)
+    expected = trainer.state_dict(pytorch_format=True)
+    for state in ranks:  # every rank holds the same full weights, equal to the single-process run
+        for name, value in expected.items():
+            torch.testing.assert_close(state["weights"][name], value, atol=2e-6, rtol=1e-5)
+        assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
+    # per-rank losses average to the whole-batch loss (equal shard sizes)
+    mean_loss = torch.stack([s["losses"] for s in ranks]).mean(0)
+    torch.testing.assert_close(mean_loss, torch.tensor(losses), atol=1e-5, rtol=1e-5)
+    total = sum(p.numel() for p in trainer.state_dict(pytorch_format=True).values()) * 2  # two moments
+    numel = [s["optimizer_numel"] for s in ranks]
+    if zero:
+        assert sum(numel) == total and max(numel) <= total / world + 96 * 2, numel  # ~1/W of the moments each
+    else:
+        assert numel == [total] * world
