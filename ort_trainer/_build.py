@@ -19,7 +19,9 @@ from optim import FlatLayout, FlatOptimizer
 
 from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
 from ._export import export_torch_model, onnx_model_parameters
+from ._fp16_support import model_op_types, provider_fp16_support
 from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
+from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
 from .model_desc import ModelDescription
 
@@ -49,6 +51,7 @@ class Engine:
     zero_stage: int = 0
     padded_params: torch.Tensor | None = None  # ZeRO: params padded to D*32 (what is all-gathered)
     padded_grads: torch.Tensor | None = None
+    loss_scale_input: str | None = None  # mixed precision: the graph's float32 loss-scale input
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class BuildRequest:
     initial_state: Mapping[str, torch.Tensor] | None = None  # torch values captured before export
     dist: DistributedContext | None = None
     zero_stage: int = 0
+    mixed_precision: bool = False
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
@@ -83,13 +87,32 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
     request.optim_config.check_param_names(trainable)
     order = {name: i for i, name in enumerate(trainable)}
     trainable.sort(key=lambda n: (request.optim_config.group_index(n), order[n]))
-    outputs = _loss_first(request.desc) + [
-        o.name for o in forward.graph.output if o.name not in request.desc.output_names
-    ]
-    train_model, eval_model = build_training_graphs(forward, trainable, sorted(frozen), outputs)
+    train_model, eval_model, loss_scale_input = _training_graphs(request, forward, trainable, sorted(frozen))
     _save_graph(request, "model_with_gradient_graph_path", train_model)
     _save_graph(request, "model_with_training_graph_path", train_model)
-    return _assemble(request, sample_inputs, trainable, frozen, initial, train_model, eval_model, bn_stats, fqn_to_onnx)
+    engine = _assemble(
+        request, sample_inputs, trainable, frozen, initial, train_model, eval_model, bn_stats, fqn_to_onnx
+    )
+    engine.loss_scale_input = loss_scale_input
+    return engine
+
+
+def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]):
+    """Training + eval graphs; with mixed precision, fp16 where the provider supports it and a scaled loss."""
+    backprop, loss_scale_input, mixed = [], None, None
+    if request.mixed_precision:
+        support = provider_fp16_support(request.device.providers, model_op_types(forward))
+        loss_name = request.desc.output_names[request.desc.loss_index]
+        mixed = convert_to_mixed_precision(
+            forward, trainable=trainable, frozen=frozen, loss_output=loss_name, support=support
+        )
+        forward, backprop, loss_scale_input = mixed.model, [mixed.backprop_output], mixed.loss_scale_input
+    known = set(request.desc.output_names) | set(backprop)
+    outputs = backprop + _loss_first(request.desc) + [o.name for o in forward.graph.output if o.name not in known]
+    train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
+    if mixed is not None:
+        strip_loss_scaling(eval_model, mixed)
+    return train_model, eval_model, loss_scale_input
 
 
 def _assemble(request, sample_inputs, trainable, frozen, initial, train_model, eval_model, bn_stats, fqn_to_onnx):

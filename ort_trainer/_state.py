@@ -57,6 +57,8 @@ def trainer_state_dict(trainer: ORTTrainer, pytorch_format: bool = False, copy_t
     state[K.TRAIN_STEP_INFO_KEY] = trainer._train_step_info.state_dict()
     if trainer.options.lr_scheduler is not None:
         state[K.LR_SCHEDULER_KEY] = trainer.options.lr_scheduler.state_dict()
+    if trainer.options.mixed_precision.enabled:
+        state[K.LOSS_SCALER_KEY] = trainer.options.mixed_precision.loss_scaler.state_dict()
     return state
 
 
@@ -176,6 +178,10 @@ def _validate(trainer: ORTTrainer, state: Mapping, strict: bool) -> dict[str, An
     if K.LR_SCHEDULER_KEY in state and scheduler is not None:
         copy.deepcopy(scheduler).load_state_dict(state[K.LR_SCHEDULER_KEY])
         plan["lr_scheduler"] = state[K.LR_SCHEDULER_KEY]
+    scaler = trainer.options.mixed_precision.loss_scaler
+    if K.LOSS_SCALER_KEY in state and scaler is not None:
+        copy.deepcopy(scaler).load_state_dict(state[K.LOSS_SCALER_KEY])
+        plan["loss_scaler"] = state[K.LOSS_SCALER_KEY]
     return plan
 
 
@@ -231,6 +237,8 @@ def _apply(trainer: ORTTrainer, plan: Mapping[str, Any]) -> None:
         trainer._train_step_info.load_state_dict(plan["train_step_info"])
     if "lr_scheduler" in plan:
         trainer.options.lr_scheduler.load_state_dict(plan["lr_scheduler"])
+    if "loss_scaler" in plan:
+        trainer.options.mixed_precision.loss_scaler.load_state_dict(plan["loss_scaler"])
 
 
 # ---------------------------------------------------------------------------- ONNX with weights

@@ -109,7 +109,6 @@ _NOT_IMPLEMENTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("distributed.pipeline_parallel.sliced_axes", bool, "pipeline parallel training"),
     ("distributed.pipeline_parallel.sliced_tensor_names", bool, "pipeline parallel training"),
     ("distributed.enable_adasum", bool, "Adasum gradient reduction"),
-    ("mixed_precision.enabled", bool, "mixed precision (fp16) training"),
     ("graph_transformer.attn_dropout_recompute", bool, "recomputation"),
     ("graph_transformer.gelu_recompute", bool, "recomputation"),
     ("graph_transformer.transformer_layer_recompute", bool, "recomputation"),

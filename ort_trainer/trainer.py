@@ -107,16 +107,23 @@ class ORTTrainer:
         info = self._train_step_info
         step = info.step + 1  # committed only once the run succeeded
         accumulation = self.options.batch.gradient_accumulation_steps
-        with _explain_shape_errors(self.model_desc.input_names, inputs, engine.input_shapes):
-            outputs = engine.session.run_train(
-                dict(zip(self.model_desc.input_names, inputs, strict=True)), (step - 1) % accumulation == 0
+        feeds = dict(zip(self.model_desc.input_names, inputs, strict=True))
+        scaler = self.options.mixed_precision.loss_scaler if engine.loss_scale_input else None
+        if scaler is not None:  # constant over an accumulation cycle: the scaler moves only at updates
+            feeds[engine.loss_scale_input] = torch.tensor(
+                scaler.loss_scale, dtype=torch.float32, device=engine.params.device
             )
+        with _explain_shape_errors(self.model_desc.input_names, inputs, engine.input_shapes):
+            outputs = engine.session.run_train(feeds, (step - 1) % accumulation == 0)
         info.step = step
         if engine.bn_stats:
             engine.batches_tracked += 1
         if step % accumulation == 0:
-            self._update(engine, self._current_lr(), accumulation)
-            info.optimization_step += 1
+            info.all_finite = self._update(engine, self._current_lr(), accumulation, scaler)
+            if info.all_finite:
+                info.optimization_step += 1
+            if scaler is not None:
+                scaler.update(info)
         return self._select_outputs(outputs)
 
     def eval_step(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
@@ -197,11 +204,13 @@ class ORTTrainer:
                 _state.load_trainer_state_dict(self, pending, strict=strict)
         return self._engine
 
-    def _update(self, engine: Engine, lr: float, accumulation: int) -> None:
+    def _update(self, engine: Engine, lr: float, accumulation: int, scaler=None) -> bool:
         """Average gradients over micro-steps and ranks, clip, update (ZeRO: own range, then all-gather).
 
-        Gradients hold the sum over micro-steps and ranks; dividing by that count is folded into the
-        optimizer's gradient divisor, which keeps clipping exactly as on averaged gradients.
+        Gradients hold the sum over micro-steps and ranks, times the loss scale; dividing by all of that
+        is folded into the optimizer's gradient divisor, which keeps clipping exactly as on averaged,
+        unscaled gradients (reference §5.3). With a loss scaler, a step whose gradients are not all
+        finite is skipped (weights, moments and counters untouched); returns whether it ran.
         """
         clip = self.options.utils.grad_norm_clip
         ctx, world, norm = engine.dist, 1, None
@@ -210,14 +219,19 @@ class ORTTrainer:
             if engine.zero is not None and engine.zero_stage >= 2:
                 ctx.reduce_to_owners_(engine.padded_grads, engine.zero.chunk)
                 own = engine.padded_grads[engine.zero.rank * engine.zero.chunk :][: engine.zero.chunk]
-                norm = math.sqrt(ctx.sum_scalar(float(own.double().square().sum()))) if clip else None
+                if clip or scaler is not None:
+                    norm = math.sqrt(ctx.sum_scalar(float(own.double().square().sum())))
             else:
                 ctx.all_reduce_(engine.padded_grads)
-                if clip and engine.zero is not None:
-                    norm = float(torch.linalg.vector_norm(engine.grads))
-        engine.optimizer.step(lr, loss_scale=float(accumulation * world), clip=clip, grad_norm=norm)
+        if norm is None and (scaler is not None or (clip and engine.zero is not None)):
+            norm = float(torch.linalg.vector_norm(engine.grads))
+        if norm is not None and not math.isfinite(norm):
+            return False
+        scale = float(scaler.loss_scale) if scaler is not None else 1.0
+        engine.optimizer.step(lr, loss_scale=scale * accumulation * world, clip=clip, grad_norm=norm)
         if engine.zero is not None:
             ctx.all_gather_chunks_(engine.padded_params, engine.zero.chunk)
+        return True
 
     def _build_request(self) -> BuildRequest:
         return BuildRequest(
@@ -233,6 +247,7 @@ class ORTTrainer:
             initial_state=self._initial_state,
             dist=self._dist,
             zero_stage=self._zero_stage,
+            mixed_precision=bool(self.options.mixed_precision.enabled),
         )
 
     def _session_options(self) -> ort.SessionOptions:

@@ -310,7 +310,6 @@ def test_defaults_are_implemented():
         ({"distributed": {"pipeline_parallel": {"pipeline_parallel_size": 2}}}, "pipeline_parallel_size=2"),
         ({"distributed": {"pipeline_parallel": {"num_pipeline_micro_batches": 4}}}, "num_pipeline_micro_batches=4"),
         ({"distributed": {"enable_adasum": True}}, "distributed.enable_adasum=True: Adasum"),
-        ({"mixed_precision": {"enabled": True}}, "mixed_precision.enabled=True: mixed precision"),
         ({"graph_transformer": {"gelu_recompute": True}}, "graph_transformer.gelu_recompute=True: recomputation"),
         ({"graph_transformer": {"attn_dropout_recompute": True}}, "attn_dropout_recompute=True"),
         ({"graph_transformer": {"transformer_layer_recompute": True}}, "transformer_layer_recompute=True"),
