@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import checkpoint
+from checkpoint import _manifest
 from checkpoint import _schema as K
 
 from . import _state
@@ -33,6 +34,7 @@ def save_trainer_checkpoint(
     include_optimizer_states: bool,
     overwrite: bool,
 ) -> None:
+    """One file; or, on W > 1 ranks, one file per rank plus a manifest that rank 0 writes last."""
     if user_dict is not None and not isinstance(user_dict, Mapping):
         raise TypeError(f"user_dict must be a Mapping or None, got {type(user_dict).__name__}")
     state = _state.trainer_state_dict(trainer, copy_tensors=False)
@@ -40,24 +42,55 @@ def save_trainer_checkpoint(
         state.pop(K.OPTIMIZER_KEY, None)
     if user_dict:
         state[K.USER_DICT_KEY] = checkpoint.encode_user_dict(user_dict)
-    checkpoint.save(state, path, overwrite=overwrite)
+    ctx = trainer._dist
+    if ctx is None:
+        checkpoint.save(state, path, overwrite=overwrite)
+        return
+    run_id = ctx.shared_run_id()
+    state[K.DISTRIBUTED_KEY] = {K.RUN_ID_KEY: run_id}
+    rank_paths = [checkpoint.rank_checkpoint_path(path, r, ctx.world_size) for r in range(ctx.world_size)]
+    failure = None
+    try:
+        checkpoint.save(state, rank_paths[ctx.rank], overwrite=overwrite)
+    except Exception as error:  # every rank must still reach the collective below
+        failure = error
+    saved = ctx.sum_scalar(0.0 if failure else 1.0) == ctx.world_size
+    if saved and ctx.rank == 0:
+        step = trainer._train_step_info.step
+        checkpoint.write_manifest(
+            checkpoint.manifest_path(path),
+            rank_paths,
+            world_size=ctx.world_size,
+            step=step,
+            run_id=run_id,
+            overwrite=overwrite,
+        )
+    ctx.barrier()
+    if failure is not None:
+        raise failure
+    if not saved:
+        raise RuntimeError(f"another rank failed to write its file of {path}; no manifest was written")
 
 
 def load_trainer_checkpoint(
     trainer: ORTTrainer, paths: Sequence[str | os.PathLike], *, strict: bool, allow_pickle: bool
 ) -> dict[str, Any]:
+    """Load a single full checkpoint, or aggregate a per-rank set (files or manifest) first.
+
+    A set saved by W ranks loads into any topology: it is aggregated to the full state, which
+    `load_state_dict` re-partitions for this trainer (ZeRO ranks keep their own range).
+    """
     if len(paths) == 0:
         raise ValueError("load_checkpoint needs at least one path")
-    if len(paths) > 1:
-        raise NotImplementedError(
-            f"load_checkpoint got {len(paths)} files; loading a partitioned (per-rank) set needs checkpoint "
-            "aggregation, which is not implemented yet. Load a single full checkpoint."
-        )
+    if _is_partitioned_set(paths):
+        full = checkpoint.aggregate_checkpoints(list(paths) if len(paths) > 1 else paths[0])
+        user_dict = _decode(full.pop(K.USER_DICT_KEY, None), allow_pickle, paths[0])
+        _state.load_trainer_state_dict(trainer, full, strict=strict)
+        return user_dict
     with checkpoint.open_checkpoint(paths[0]) as reader:
-        _refuse_partitioned(reader)
         reader.verify()
         user_dict = _user_dict(reader, allow_pickle)
-        if trainer._engine is None:
+        if trainer._engine is None or trainer._engine.zero is not None:
             tree = reader.read()
             tree.pop(K.USER_DICT_KEY, None)
             _state.load_trainer_state_dict(trainer, tree, strict=strict)
@@ -66,17 +99,23 @@ def load_trainer_checkpoint(
     return user_dict
 
 
-def _refuse_partitioned(reader: checkpoint.CheckpointReader) -> None:
-    if K.TRAINER_OPTIONS_KEY not in reader.keys():
-        return
-    options = reader.read(K.TRAINER_OPTIONS_KEY)
+def _is_partitioned_set(paths: Sequence[str | os.PathLike]) -> bool:
+    if len(paths) > 1 or _manifest.is_manifest(paths[0]):
+        return True
+    with checkpoint.open_checkpoint(paths[0], verify=False) as reader:
+        if K.TRAINER_OPTIONS_KEY not in reader.keys():
+            return False
+        options = reader.read(K.TRAINER_OPTIONS_KEY)
     zero = int(options.get(K.ZERO_STAGE_KEY, 0) or 0)
+    world = int(options.get(K.WORLD_SIZE_KEY, 1) or 1)
     horizontal = int(options.get(K.HORIZONTAL_PARALLEL_SIZE_KEY, 1) or 1)
-    if zero > 0 or horizontal > 1:
-        raise NotImplementedError(
-            f"{reader.path} is one rank's file of a partitioned run (zero_stage={zero}, "
-            f"horizontal_parallel_size={horizontal}); aggregating partitioned checkpoints is not implemented yet"
-        )
+    return (zero > 0 and world > 1) or horizontal > 1
+
+
+def _decode(tree: Any, allow_pickle: bool, source: Any) -> dict[str, Any]:
+    if tree is None:
+        return {}
+    return checkpoint.decode_user_dict(tree, allow_pickle=allow_pickle, source=str(source))
 
 
 def _user_dict(reader: checkpoint.CheckpointReader, allow_pickle: bool) -> dict[str, Any]:

@@ -91,3 +91,52 @@ def test_data_parallel_and_zero_match_one_process_on_the_whole_batch(tmp_path, r
         assert sum(numel) == total and max(numel) <= total / world + 96 * 2, numel  # ~1/W of the moments each
     else:
         assert numel == [total] * world
+
+
+def _assert_full_state_equal(got, expected, atol=2e-6):
+    for name, value in expected["model"]["full_precision"].items():
+        torch.testing.assert_close(got["model"]["full_precision"][name], value, atol=atol, rtol=1e-5)
+    for name, entry in expected["optimizer"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(got["optimizer"][name][key], value, atol=atol, rtol=1e-5, msg=f"{name}/{key}")
+    assert got["train_step_info"] == expected["train_step_info"]
+
+
+def test_zero_checkpoint_set_aggregates_to_the_single_process_state(tmp_path, reference):
+    trainer, _ = reference
+    path = tmp_path / "ckpt.ortcp"
+    launch(2, tmp_path / "run", "--zero", 1, "--save", path)
+    manifest = checkpoint.manifest_path(path)
+    assert manifest.exists() and all(checkpoint.rank_checkpoint_path(path, r, 2).exists() for r in range(2))
+    rank0 = checkpoint.load(checkpoint.rank_checkpoint_path(path, 0, 2))
+    assert rank0["trainer_options"]["zero_stage"] == 1 and rank0["trainer_options"]["world_size"] == 2
+    assert rank0["partition_info"]["fc1.weight"]["megatron_row_partition"] == -1  # fc1.weight straddles ranks
+    full = checkpoint.aggregate_checkpoints(manifest)
+    _assert_full_state_equal(full, trainer.state_dict())
+    with pytest.raises(checkpoint.CheckpointError, match="rank"):
+        checkpoint.aggregate_checkpoints([checkpoint.rank_checkpoint_path(path, 0, 2)])
+
+
+@pytest.mark.parametrize(("before", "after"), [((2, 1), (3, 2)), ((3, 2), (2, 1))])
+def test_reshard_and_continue_matches_uninterrupted_training(tmp_path, reference, before, after):
+    trainer, _ = reference
+    path = tmp_path / "half.ortcp"
+    launch(before[0], tmp_path / "first", "--zero", before[1], "--stop", 4, "--save", path)
+    ranks = launch(
+        after[0], tmp_path / "second", "--zero", after[1], "--start", 4, "--load", checkpoint.manifest_path(path)
+    )
+    for state in ranks:
+        assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
+        for name, value in trainer.state_dict(pytorch_format=True).items():
+            torch.testing.assert_close(state["weights"][name], value, atol=2e-6, rtol=1e-5)
+
+
+def test_reshard_two_ranks_to_one_process(tmp_path, reference):
+    trainer, _ = reference
+    path = tmp_path / "half.ortcp"
+    launch(2, tmp_path / "first", "--zero", 2, "--stop", 4, "--save", path)
+    single = make_trainer(0, True)
+    single.load_checkpoint(checkpoint.manifest_path(path))
+    for batch in mlp_batches(8, batch=12)[4:]:
+        single.train_step(*batch)
+    _assert_full_state_equal(single.state_dict(), trainer.state_dict())
