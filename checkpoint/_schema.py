@@ -84,6 +84,37 @@ USER_DICT_KEY = "user_dict"
 LR_SCHEDULER_KEY = "lr_scheduler"  # ours
 LOSS_SCALER_KEY = "loss_scaler"  # ours
 
+# ---- ours: identity of a distributed save, one group per rank file -----------------------------
+DISTRIBUTED_KEY = "distributed"
+RUN_ID_KEY = "run_id"  # str, identical on every rank of one save (chosen by rank 0)
+FLAT_ORDER_KEY = "flat_order"  # optional list[str]: trainable parameters in flat-buffer order
+ZERO_ALIGNMENT_PER_RANK = 32  # the ZeRO flat buffer is padded to a multiple of D * 32 elements
+
+# ---- ours: per-rank file names and the manifest of a distributed save ----------------------------
+RANK_FILE_INFIX = ".rank{rank}-of-{world_size}"  # <stem><infix><suffix>, next to the requested path
+MANIFEST_SUFFIX = ".manifest.json"  # appended to the requested path
+MANIFEST_FORMAT_NAME = "ort_trainer.checkpoint.manifest"
+MANIFEST_FORMAT_VERSION = 1
+MANIFEST_FORMAT_KEY = "format"
+MANIFEST_FORMAT_VERSION_KEY = "format_version"
+MANIFEST_RUN_ID_KEY = "run_id"
+MANIFEST_WORLD_SIZE_KEY = "world_size"
+MANIFEST_STEP_KEY = "step"
+MANIFEST_FILES_KEY = "files"
+MANIFEST_RANK_KEY = "rank"
+MANIFEST_NAME_KEY = "name"
+MANIFEST_SIZE_KEY = "size"
+MANIFEST_CRC32_KEY = "crc32"
+MANIFEST_KEYS = (
+    MANIFEST_FORMAT_KEY,
+    MANIFEST_FORMAT_VERSION_KEY,
+    MANIFEST_RUN_ID_KEY,
+    MANIFEST_WORLD_SIZE_KEY,
+    MANIFEST_STEP_KEY,
+    MANIFEST_FILES_KEY,
+)
+MANIFEST_FILE_KEYS = (MANIFEST_RANK_KEY, MANIFEST_NAME_KEY, MANIFEST_SIZE_KEY, MANIFEST_CRC32_KEY)
+
 TRAINER_OPTIONS_KEY = "trainer_options"
 MIXED_PRECISION_KEY = "mixed_precision"
 ZERO_STAGE_KEY = "zero_stage"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from checkpoint import PartitionInfo
 from optim import FlatLayout, FlatOptimizer
 
 __all__ = ["DistributedContext", "ShardedOptimizer", "ZeroPartition"]
@@ -124,7 +125,7 @@ class ZeroPartition:
     def partition_info(self) -> dict[str, dict]:
         """Legacy ``partition_info`` for this rank's straddling pieces, with our ``offset`` key."""
         return {
-            p.name: {"original_dim": list(p.shape), "megatron_row_partition": -1, "offset": p.start}
+            p.name: PartitionInfo(tuple(p.shape), -1, p.start).to_tree()
             for p in self.pieces
             if p.name in self.straddling
         }

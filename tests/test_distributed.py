@@ -110,7 +110,7 @@ def test_zero_checkpoint_set_aggregates_to_the_single_process_state(tmp_path, re
     assert manifest.exists() and all(checkpoint.rank_checkpoint_path(path, r, 2).exists() for r in range(2))
     rank0 = checkpoint.load(checkpoint.rank_checkpoint_path(path, 0, 2))
     assert rank0["trainer_options"]["zero_stage"] == 1 and rank0["trainer_options"]["world_size"] == 2
-    assert rank0["partition_info"]["fc1.weight"]["megatron_row_partition"] == -1  # fc1.weight straddles ranks
+    assert rank0["partition_info"]["fc1.weight"]["megatron_row_partition"] == [-1]  # fc1.weight straddles ranks
     full = checkpoint.aggregate_checkpoints(manifest)
     _assert_full_state_equal(full, trainer.state_dict())
     with pytest.raises(checkpoint.CheckpointError, match="rank"):

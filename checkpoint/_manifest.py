@@ -1,0 +1,261 @@
+"""Per-rank file names of a distributed save, and the JSON manifest that lists the files.
+
+``save_checkpoint(path)`` on W > 1 ranks: rank r writes ``rank_checkpoint_path(path, r, W)`` =
+``<stem>.rank<r>-of-<W><suffix>`` next to ``path``; after every rank has published its file
+(barrier), rank 0 writes ``manifest_path(path)`` = ``<path>.manifest.json`` last, so a manifest
+marks a complete save. It records each file's name (relative to the manifest), size and CRC-32
+of all its bytes; :func:`check_manifest` verifies completeness and checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import zlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _schema as S
+from ._h5_writer import _fsync, _publish
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
+
+__all__ = [
+    "Manifest",
+    "ManifestEntry",
+    "check_manifest",
+    "file_crc32",
+    "is_manifest",
+    "manifest_path",
+    "rank_checkpoint_path",
+    "read_manifest",
+    "write_manifest",
+]
+
+PathLike = str | os.PathLike[str]
+_CHUNK = 16 << 20
+
+
+def rank_checkpoint_path(path: PathLike, rank: int, world_size: int) -> Path:
+    """Rank ``rank``'s file for a save to ``path``: ``<stem>.rank<r>-of-<W><suffix>`` (``path`` if W == 1)."""
+    for name, value, low in (("rank", rank, 0), ("world_size", world_size, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
+    path = Path(os.fspath(path))
+    if world_size == 1:
+        return path
+    infix = S.RANK_FILE_INFIX.format(rank=rank, world_size=world_size)
+    return path.with_name(f"{path.stem}{infix}{path.suffix}")
+
+
+def manifest_path(path: PathLike) -> Path:
+    """The manifest of a distributed save to ``path``: ``<path>.manifest.json``."""
+    path = Path(os.fspath(path))
+    return path.with_name(path.name + S.MANIFEST_SUFFIX)
+
+
+def file_crc32(path: PathLike) -> int:
+    """CRC-32 (zlib) of every byte of a file, read in 16 MiB pieces."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestEntry:
+    """One rank's file: name relative to the manifest's folder, size in bytes, CRC-32 of its bytes."""
+
+    rank: int
+    name: str
+    size: int
+    crc32: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """A validated manifest: the save's identity and its rank files in rank order."""
+
+    path: Path
+    run_id: str
+    world_size: int
+    step: int
+    files: tuple[ManifestEntry, ...]
+
+    def rank_paths(self) -> list[Path]:
+        """Absolute-or-relative paths of the rank files, in rank order, next to the manifest."""
+        return [self.path.parent / entry.name for entry in self.files]
+
+    def to_json(self) -> dict[str, Any]:
+        files = [{k: getattr(e, k) for k in S.MANIFEST_FILE_KEYS} for e in self.files]
+        return {
+            S.MANIFEST_FORMAT_KEY: S.MANIFEST_FORMAT_NAME,
+            S.MANIFEST_FORMAT_VERSION_KEY: S.MANIFEST_FORMAT_VERSION,
+            S.MANIFEST_RUN_ID_KEY: self.run_id,
+            S.MANIFEST_WORLD_SIZE_KEY: self.world_size,
+            S.MANIFEST_STEP_KEY: self.step,
+            S.MANIFEST_FILES_KEY: files,
+        }
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _entry_problems(index: int, entry: Any) -> list[str]:
+    if not isinstance(entry, Mapping) or set(entry) != set(S.MANIFEST_FILE_KEYS):
+        keys = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+        return [f"files[{index}]: expected keys {sorted(S.MANIFEST_FILE_KEYS)}, got {keys}"]
+    problems = [f"files[{index}].{k}: expected an int >= 0" for k in ("rank", "size") if not _is_int(entry[k])]
+    if not _is_int(entry[S.MANIFEST_CRC32_KEY]) or entry[S.MANIFEST_CRC32_KEY] > 0xFFFFFFFF:
+        problems.append(f"files[{index}].crc32: expected an unsigned 32-bit int")
+    name = entry[S.MANIFEST_NAME_KEY]
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+        problems.append(f"files[{index}].name: expected a plain file name in the manifest's folder, got {name!r}")
+    return problems
+
+
+def _problems(data: Any) -> list[str]:
+    """Every structural problem of a parsed manifest (empty if valid)."""
+    if not isinstance(data, Mapping) or set(data) != set(S.MANIFEST_KEYS):
+        keys = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+        return [f"expected an object with keys {sorted(S.MANIFEST_KEYS)}, got {keys}"]
+    problems = [] if isinstance(data[S.MANIFEST_RUN_ID_KEY], str) else ["run_id: expected a str"]
+    problems += [] if _is_int(data[S.MANIFEST_WORLD_SIZE_KEY], 1) else ["world_size: expected an int >= 1"]
+    problems += [] if _is_int(data[S.MANIFEST_STEP_KEY]) else ["step: expected an int >= 0"]
+    files = data[S.MANIFEST_FILES_KEY]
+    if not isinstance(files, list):
+        return [*problems, "files: expected a list"]
+    for i, entry in enumerate(files):
+        problems += _entry_problems(i, entry)
+    if problems:
+        return problems
+    counts = Counter(e[S.MANIFEST_RANK_KEY] for e in files)
+    if dups := sorted(r for r, c in counts.items() if c > 1):
+        problems.append(f"ranks listed more than once: {dups}")
+    if missing := sorted(set(range(data[S.MANIFEST_WORLD_SIZE_KEY])) - set(counts)):
+        problems.append(f"ranks missing: {missing}")
+    if extra := sorted(set(counts) - set(range(data[S.MANIFEST_WORLD_SIZE_KEY]))):
+        problems.append(f"ranks outside world_size {data[S.MANIFEST_WORLD_SIZE_KEY]}: {extra}")
+    return problems
+
+
+def read_manifest(path: PathLike) -> Manifest:
+    """Parse and validate a manifest (structure only; :func:`check_manifest` also checks the files)."""
+    path = Path(os.fspath(path))
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path}: no such manifest file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFormatError(f"{path} is not a checkpoint manifest (invalid JSON: {exc})") from None
+    fmt = data.get(S.MANIFEST_FORMAT_KEY) if isinstance(data, Mapping) else None
+    if fmt != S.MANIFEST_FORMAT_NAME:
+        raise CheckpointFormatError(
+            f"{path}: '{S.MANIFEST_FORMAT_KEY}' is {fmt!r}, expected {S.MANIFEST_FORMAT_NAME!r}"
+        )
+    version = data.get(S.MANIFEST_FORMAT_VERSION_KEY)
+    if _is_int(version) and version > S.MANIFEST_FORMAT_VERSION:
+        raise CheckpointVersionError(f"{path}: manifest version {version} is newer than {S.MANIFEST_FORMAT_VERSION}")
+    problems = _problems(data) or ([] if version == S.MANIFEST_FORMAT_VERSION else [f"bad version {version!r}"])
+    if problems:
+        raise CheckpointFormatError(f"{path}: invalid manifest: " + "; ".join(problems))
+    entries = sorted(
+        (ManifestEntry(**{k: e[k] for k in S.MANIFEST_FILE_KEYS}) for e in data["files"]), key=lambda e: e.rank
+    )
+    return Manifest(
+        path=path,
+        run_id=data[S.MANIFEST_RUN_ID_KEY],
+        world_size=data[S.MANIFEST_WORLD_SIZE_KEY],
+        step=data[S.MANIFEST_STEP_KEY],
+        files=tuple(entries),
+    )
+
+
+def check_manifest(path: PathLike, *, checksums: bool = True) -> Manifest:
+    """Read a manifest and verify that every rank file exists with its size (and CRC-32, if ``checksums``).
+
+    Raises CheckpointCorruptError naming every missing, resized or changed file.
+    """
+    manifest = read_manifest(path)
+    problems = []
+    for entry, file in zip(manifest.files, manifest.rank_paths(), strict=True):
+        where = f"rank {entry.rank} file {file}"
+        if not file.is_file():
+            problems.append(f"{where} is missing")
+        elif (size := file.stat().st_size) != entry.size:
+            problems.append(f"{where} has {size} bytes, the manifest says {entry.size}")
+        elif checksums and (crc := file_crc32(file)) != entry.crc32:
+            problems.append(f"{where}: CRC-32 {crc:#010x} != {entry.crc32:#010x} in the manifest (the file changed)")
+    if problems:
+        raise CheckpointCorruptError(
+            f"{manifest.path}: the checkpoint set is incomplete or damaged:\n  - " + "\n  - ".join(problems)
+        )
+    return manifest
+
+
+def is_manifest(path: PathLike) -> bool:
+    """True if ``path`` names a manifest (by its suffix, or a file that starts with '{')."""
+    path = Path(os.fspath(path))
+    if path.name.endswith(S.MANIFEST_SUFFIX):
+        return True
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(64).lstrip().startswith(b"{")
+    except OSError:
+        return False
+
+
+def write_manifest(
+    path: PathLike,
+    rank_paths: Sequence[PathLike],
+    *,
+    world_size: int,
+    step: int,
+    run_id: str,
+    overwrite: bool = False,
+) -> Manifest:
+    """Write the manifest at ``path`` (atomically) for the rank files given in rank order.
+
+    The files must exist and lie in the manifest's folder. Their sizes and CRC-32s are computed now.
+    """
+    path = Path(os.fspath(path))
+    files = [Path(os.fspath(p)) for p in rank_paths]
+    if len(files) != world_size:
+        raise ValueError(f"expected {world_size} rank files (one per rank, in rank order), got {len(files)}")
+    elsewhere = [str(f) for f in files if f.resolve().parent != path.resolve().parent]
+    if elsewhere:
+        raise ValueError(f"rank files must be in the manifest's folder {path.parent}: {elsewhere}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointNotFoundError(f"cannot write {path}: rank file(s) missing: {missing}")
+    if path.exists() and not overwrite:
+        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
+    entries = tuple(
+        ManifestEntry(rank=r, name=f.name, size=f.stat().st_size, crc32=file_crc32(f)) for r, f in enumerate(files)
+    )
+    manifest = Manifest(path=path, run_id=run_id, world_size=world_size, step=step, files=entries)
+    problems = _problems(manifest.to_json())
+    if problems:
+        raise ValueError(f"invalid manifest for {path}: " + "; ".join(problems))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n", encoding="utf-8")
+        _fsync(tmp, os.O_RDONLY)
+        _publish(tmp, path, overwrite)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return manifest

@@ -1,0 +1,136 @@
+"""Combine the per-rank states of a ZeRO and/or Megatron run into one full state, and back.
+
+The logic is pure (over in-memory rank states: :func:`aggregate_states`, :func:`reshard_state`);
+the file functions open every rank file, validate the set from its small metadata before any
+tensor is read, and run the same plan. :func:`aggregate_to_file` streams: it holds about two
+tensors at a time, not the model. Rules (reference §3.2, fixing §11): ranks cover 0..W-1 exactly
+once with the same topology, optimizer, precision, run id and step; rank = d*H + h; ZeRO pieces
+are placed by their ``offset`` and must tile the tensor; Megatron slices are concatenated in
+``h`` order (column partitions on the last axis, row partitions on axis 0); every other value
+must be bit-identical on the ranks holding it. ``train_step_info``, ``lr_scheduler``,
+``loss_scaler`` and ``user_dict`` (rank 0's) are kept.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._assemble import assemble, build_tree, leaf_count
+from ._h5_reader import CheckpointReader, open_checkpoint
+from ._h5_stream import save_stream
+from ._manifest import Manifest, check_manifest, is_manifest
+from ._partition import Plan, plan_aggregation
+from ._rankset import AggregationError, RankSource, StateSource, read_rank_set
+from ._zero import reshard_state
+from .errors import CheckpointNotFoundError
+
+__all__ = ["AggregationError", "aggregate_checkpoints", "aggregate_states", "aggregate_to_file", "reshard_state"]
+
+PathLike = str | os.PathLike[str]
+Key = tuple[str, ...]
+
+
+def aggregate_states(states: Sequence[Mapping[str, Any]], *, pytorch_format: bool = False) -> dict[str, Any]:
+    """The full single-process state of a distributed save, from all its rank states (any order).
+
+    Each state is what ``checkpoint.load`` returns for one rank's file. The result has ``model``,
+    ``optimizer``, ``trainer_options`` (world_rank 0, world_size 1, zero_stage 0, D = H = 1),
+    ``train_step_info`` and the other groups; ``pytorch_format=True`` gives ``{name: tensor}`` of
+    the model weights only. New tensors are returned (nothing aliases the inputs).
+
+    Raises AggregationError (a ValueError) naming every offending key and rank.
+    """
+    if isinstance(states, Mapping | str):
+        raise TypeError(f"states must be a sequence of rank state dicts, got {type(states).__name__}")
+    states = list(states)
+    bad = [i for i, s in enumerate(states) if not isinstance(s, Mapping)]
+    if bad:
+        raise TypeError(f"states must be a sequence of rank state dicts; items {bad} are not mappings")
+    sources = [StateSource(state, f"states[{i}]") for i, state in enumerate(states)]
+    plan = plan_aggregation(read_rank_set(sources))
+    return build_tree(assemble(plan, pytorch_format=pytorch_format))
+
+
+class _FileSource:
+    """A rank state in an open checkpoint file (reads only what is asked for)."""
+
+    def __init__(self, reader: CheckpointReader, label: str) -> None:
+        self.reader, self.label = reader, label
+
+    def has(self, key: Key) -> bool:
+        return key in self.reader
+
+    def tree(self) -> Mapping[str, Any]:
+        return self.reader.tree_info()
+
+    def read(self, key: Key) -> Any:
+        return self.reader.read(key)
+
+    def read_into(self, key: Key, out: torch.Tensor) -> None:
+        self.reader.read_into(key, out)
+
+
+def _resolve(paths: PathLike | Sequence[PathLike]) -> tuple[list[Path], Manifest | None]:
+    """Rank file paths, from a list of paths or a manifest (completeness and sizes checked)."""
+    if isinstance(paths, str | os.PathLike):
+        if is_manifest(paths):
+            manifest = check_manifest(paths, checksums=False)
+            return manifest.rank_paths(), manifest
+        paths = [paths]
+    files = [Path(os.fspath(p)) for p in paths]
+    if not files:
+        raise AggregationError("no checkpoint files given: pass every rank's file (or the manifest)")
+    missing = sorted(str(p) for p in files if not p.is_file())
+    if missing:
+        raise CheckpointNotFoundError(f"{len(missing)} rank checkpoint file(s) do not exist: {missing}")
+    return files, None
+
+
+@contextmanager
+def _open_set(paths: PathLike | Sequence[PathLike]) -> Iterator[Plan]:
+    """Open every rank file, validate the set (metadata only), plan; close the files on exit."""
+    files, manifest = _resolve(paths)
+    with ExitStack() as stack:
+        names = [p.name for p in files]
+        labels = names if len(set(names)) == len(names) else [str(p) for p in files]
+        sources: list[RankSource] = [
+            _FileSource(stack.enter_context(open_checkpoint(p)), label) for p, label in zip(files, labels, strict=True)
+        ]
+        rank_set = read_rank_set(sources)
+        if manifest is not None and manifest.run_id != rank_set.run_id:
+            raise AggregationError(
+                f"{manifest.path} is for run_id {manifest.run_id!r} but its files hold run_id {rank_set.run_id!r}"
+            )
+        yield plan_aggregation(rank_set)
+
+
+def aggregate_checkpoints(paths: PathLike | Sequence[PathLike], pytorch_format: bool = False) -> dict[str, Any]:
+    """Load and combine every rank file of a distributed save (paths in any order, or a manifest path).
+
+    Every file's ``trainer_options``, ``distributed`` and ``train_step_info`` are read and the set
+    is validated (missing, duplicate or foreign ranks, mixed steps or runs) before any tensor is
+    read; errors name the files and ranks. See :func:`aggregate_states` for the result.
+    """
+    with _open_set(paths) as plan:
+        return build_tree(assemble(plan, pytorch_format=pytorch_format))
+
+
+def aggregate_to_file(
+    paths: PathLike | Sequence[PathLike], out_path: PathLike, *, pytorch_format: bool = False, overwrite: bool = False
+) -> Path:
+    """Like :func:`aggregate_checkpoints`, but stream the result into a checkpoint at ``out_path``.
+
+    Tensors are read, combined and written one at a time (peak memory about two full tensors plus
+    HDF5 buffers). The file is published atomically only if everything succeeded; it loads with
+    ``checkpoint.load`` and its checksums verify.
+    """
+    with _open_set(paths) as plan:
+        count = leaf_count(plan, pytorch_format=pytorch_format)
+        values = assemble(plan, pytorch_format=pytorch_format, reuse_output=True)
+        return save_stream(values, out_path, max_leaves=count, overwrite=overwrite)
