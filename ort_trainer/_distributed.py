@@ -125,7 +125,7 @@ class ZeroPartition:
     def partition_info(self) -> dict[str, dict]:
         """Legacy ``partition_info`` for this rank's straddling pieces, with our ``offset`` key."""
         return {
-            p.name: PartitionInfo(tuple(p.shape), -1, p.start).to_tree()
+            p.name: PartitionInfo(original_dim=tuple(p.shape), megatron_row_partition=-1, offset=p.start).to_tree()
             for p in self.pieces
             if p.name in self.straddling
         }
