@@ -140,3 +140,41 @@ def test_reshard_two_ranks_to_one_process(tmp_path, reference):
     for batch in mlp_batches(8, batch=12)[4:]:
         single.train_step(*batch)
     _assert_full_state_equal(single.state_dict(), trainer.state_dict())
+
+
+def test_options_that_contradict_the_existing_process_group_are_rejected():
+    import torch.distributed as dist
+
+    from ort_trainer import ORTTrainer, optim
+    from tests.models import MLP, MLP_DESC
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(
+            ValueError, match="world_rank=1, world_size=2, but the existing default process group has rank 0 of 1"
+        ):
+            ORTTrainer(
+                MLP(),
+                MLP_DESC,
+                optim.AdamConfig(),
+                loss_fn=torch.nn.functional.cross_entropy,
+                options={"distributed": {"world_size": 2, "world_rank": 1}},
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_missing_rendezvous_environment_is_a_clear_error(monkeypatch):
+    from ort_trainer import ORTTrainer, optim
+    from tests.models import MLP, MLP_DESC
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match="launch with torchrun"):
+        ORTTrainer(
+            MLP(),
+            MLP_DESC,
+            optim.AdamConfig(),
+            loss_fn=torch.nn.functional.cross_entropy,
+            options={"distributed": {"world_size": 2, "world_rank": 0}},
+        )
