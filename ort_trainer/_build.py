@@ -21,6 +21,7 @@ from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
 from ._export import export_torch_model, onnx_model_parameters
 from ._fp16_support import model_op_types, provider_fp16_support
 from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
+from ._graph_rewrites import apply_rewrites
 from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
 from .model_desc import ModelDescription
@@ -75,6 +76,8 @@ class BuildRequest:
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
     forward, fqn_to_onnx, not_trainable, initial = _forward_model(request, sample_inputs)
+    if request.device.torch_device.type == "cpu":  # rewrites of slow CPU gradient kernels; CUDA left as is
+        apply_rewrites(forward)
     bn_stats = surface_batchnorm_statistics(forward)
     add_optional_outputs(forward)
     _save_graph(request, "model_after_graph_transforms_path", forward)

@@ -1,0 +1,267 @@
+"""Shared pieces of the benchmarks: models, thread settings, the contenders' step functions.
+
+Every contender trains the same model from the same initial weights with the same AdamW
+hyper-parameters (lr 1e-3, betas 0.9/0.999, eps 1e-6, weight decay 0, bias correction, no gradient
+clipping: the defaults of ``onnxblock.optim.AdamW``, which ``artifacts.OptimType.AdamW`` uses, and
+which has no ``clip_grad``). Dropout is 0. Threads: ``torch.set_num_threads(T)`` and ONNX Runtime
+``intra_op_num_threads=T``, ``inter_op_num_threads=1`` (sequential executor), spinning left at ORT's
+default unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import torch
+
+import ort_trainer._build as _build
+from ort_trainer import ORTTrainer, optim
+from ort_trainer._export import export_torch_model
+from ort_trainer._graph_passes import add_optional_outputs
+from ort_trainer._native_logs import quiet_native_info_logs
+from ort_trainer.model_desc import validate_model_desc
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
+MLP_DESC = {"inputs": [("x", ["batch", "features"]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
+LM_DESC = {"inputs": [("tokens", ["batch", "seq"]), ("label", ["batch", "seq"])], "outputs": [("loss", [], True)]}
+
+
+# ------------------------------------------------------------------------------------------ models
+class MLP(torch.nn.Module):
+    def __init__(self, d_in: int, hidden: int, d_out: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, hidden)
+        self.fc2 = torch.nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class LM(torch.nn.Module):
+    """Embedding + post-norm transformer encoder layers + vocabulary head (tests.models.TinyLM, bigger)."""
+
+    def __init__(self, vocab: int, d_model: int, layers: int, heads: int, ff: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        layer = torch.nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=ff, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d_model, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def lm_loss(logits, label):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), label.reshape(-1))
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    summary: str
+    make: Callable[[], torch.nn.Module]
+    desc: dict
+    loss_fn: Callable
+    batches: Callable[[int], list[tuple[torch.Tensor, ...]]]  # n -> n distinct (inputs..., label)
+
+
+def _mlp_batches(n: int, batch: int = 256, d_in: int = 784, classes: int = 10):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(batch, d_in, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+
+
+def _lm_batches(n: int, batch: int = 8, seq: int = 128, vocab: int = 8000):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+MODELS = {
+    "mlp": ModelSpec(
+        "mlp",
+        "MLP 784-1024-10, batch 256, 0.81M params, cross-entropy",
+        lambda: MLP(784, 1024, 10),
+        MLP_DESC,
+        torch.nn.functional.cross_entropy,
+        _mlp_batches,
+    ),
+    "lm": ModelSpec(
+        "lm",
+        "LM vocab 8000, d_model 256, 2 layers, 4 heads, ff 512, batch 8 x seq 128, 5.16M params",
+        lambda: LM(8000, 256, 2, 4, 512),
+        LM_DESC,
+        lm_loss,
+        _lm_batches,
+    ),
+}
+
+
+# ------------------------------------------------------------------------------------------ threads
+def set_torch_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+OPT_LEVELS = {
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+}
+
+
+def session_options(
+    threads: int,
+    spinning: bool | None = None,
+    profile_prefix: str | None = None,
+    opt_level: str = "all",
+    stop_spinning: bool = False,
+) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = OPT_LEVELS[opt_level]
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    if spinning is not None:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if stop_spinning:  # spin inside Run(), stop when it returns (the torch optimizer runs next)
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+    if profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return options
+
+
+# ------------------------------------------------------------------------------------------ rewrites
+def library_applies_rewrites() -> bool:
+    """True once `_build.py` calls `_graph_rewrites.apply_rewrites` itself (the proposed hook)."""
+    return hasattr(_build, "apply_rewrites")
+
+
+@contextlib.contextmanager
+def graph_rewrites(enabled: bool) -> Iterator[None]:
+    """Force the forward-graph rewrites on or off while an `ORTTrainer` builds its engine (first step)."""
+    from ort_trainer._graph_rewrites import apply_rewrites
+
+    if library_applies_rewrites():
+        saved = _build.apply_rewrites
+        _build.apply_rewrites = apply_rewrites if enabled else (lambda model: 0)
+        try:
+            yield
+        finally:
+            _build.apply_rewrites = saved
+        return
+    if not enabled:
+        yield
+        return
+    saved = _build.add_optional_outputs
+
+    def rewrite_then_add(model):
+        apply_rewrites(model)
+        return saved(model)
+
+    _build.add_optional_outputs = rewrite_then_add
+    try:
+        yield
+    finally:
+        _build.add_optional_outputs = saved
+
+
+# ------------------------------------------------------------------------------------------ contenders
+Step = Callable[[tuple[torch.Tensor, ...]], object]
+
+
+def torch_step(spec: ModelSpec, model: torch.nn.Module, adamw: str = "fused") -> Step:
+    """Eager PyTorch: zero_grad(set_to_none) + forward + loss + backward + AdamW."""
+    model = copy.deepcopy(model).train()
+    kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[adamw]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kind)
+
+    def step(batch):
+        *inputs, label = batch
+        opt.zero_grad(set_to_none=True)
+        loss = spec.loss_fn(model(*inputs), label)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def ort_trainer_step(
+    spec: ModelSpec, model: torch.nn.Module, options: ort.SessionOptions, rewrites: bool, first: tuple
+) -> tuple[Step, ORTTrainer]:
+    """ORTTrainer (Adam mode 0 == AdamW); the engine is built by running one step on ``first``."""
+    config = optim.AdamConfig(lr=LR, alpha=BETAS[0], beta=BETAS[1], lambda_coef=WEIGHT_DECAY, epsilon=EPS)
+    trainer = ORTTrainer(
+        copy.deepcopy(model),
+        spec.desc,
+        config,
+        loss_fn=spec.loss_fn,
+        options={"utils": {"grad_norm_clip": False}, "session_options": options},
+    )
+    with graph_rewrites(rewrites):
+        trainer.train_step(*first)
+    return (lambda batch: trainer.train_step(*batch)), trainer
+
+
+def forward_graph(
+    spec: ModelSpec, model: torch.nn.Module, sample: tuple, rewrites: bool
+) -> tuple[onnx.ModelProto, list]:
+    """The forward ONNX graph exactly as ORTTrainer builds it (export + graph passes), and its parameters."""
+    desc = validate_model_desc(spec.desc, require_loss=True)
+    exported = export_torch_model(copy.deepcopy(model), spec.loss_fn, desc, sample, 17)
+    forward = exported.model
+    if rewrites:
+        from ort_trainer._graph_rewrites import apply_rewrites
+
+        apply_rewrites(forward)
+    add_optional_outputs(forward)
+    params = [n for n in dict.fromkeys(exported.fqn_to_onnx.values()) if n not in exported.buffers | exported.no_grad]
+    return forward, params
+
+
+class BareOrt:
+    """The on-device training API loop: generate_artifacts(AdamW) + Module + Optimizer + CheckpointState."""
+
+    def __init__(self, spec: ModelSpec, model: torch.nn.Module, options: ort.SessionOptions, rewrites: bool, first):
+        from onnxruntime.training import artifacts
+        from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+        forward, params = forward_graph(spec, model, first, rewrites)
+        self._dir = tempfile.TemporaryDirectory(prefix="bare_ort_")
+        out = Path(self._dir.name)
+        with quiet_native_info_logs():
+            artifacts.generate_artifacts(
+                forward,
+                requires_grad=params,
+                frozen_params=[],
+                loss=None,  # the exported graph's first output already is the loss
+                optimizer=artifacts.OptimType.AdamW,  # betas 0.9/0.999, eps 1e-6, weight decay 0, no clip_grad
+                artifact_directory=out,
+            )
+        self.state = CheckpointState.load_checkpoint(str(out / "checkpoint"))
+        self.module = Module(str(out / "training_model.onnx"), self.state, str(out / "eval_model.onnx"), "cpu", options)
+        self.optimizer = Optimizer(str(out / "optimizer_model.onnx"), self.module)
+        self.optimizer.set_learning_rate(LR)
+        self.module.train()
+        self.step(first)
+
+    def step(self, batch):
+        loss = self.module(*[t.numpy() for t in batch])
+        self.optimizer.step()
+        self.module.lazy_reset_grad()
+        return loss
+
+    def close(self):
+        self._dir.cleanup()
