@@ -1,9 +1,13 @@
 """Plan the full state of a validated rank set from metadata only (shapes, dtypes, partition_info).
 
 For every output key the plan says where its data lives: whole copies that must agree, ZeRO
-pieces placed by ``offset`` within one data-parallel group, Megatron slices concatenated along
-their axis in ``h`` order (rank = d*H + h). Every problem is collected and reported at once;
-``_assemble`` then reads the data.
+pieces placed by ``offset`` (legacy files: in rank order) within one data-parallel group, Megatron
+slices concatenated along their axis in ``h`` order (rank = d*H + h). Every problem is collected
+and reported at once; ``_assemble`` then reads the data.
+
+Model weights are whole on every rank, except in a legacy ZeRO + mixed-precision save (reference
+§3.2): there each fp32 master weight is whole on its owner rank only, or split into 1-D pieces
+(listed in the holder's ``partition_info``) across the ranks it straddles.
 """
 
 from __future__ import annotations
@@ -102,6 +106,11 @@ def _fmt(key: Key) -> str:
     return "/".join(key)
 
 
+def _is_weight(key: Key) -> bool:
+    """model/full_precision/<weight>."""
+    return len(key) == 3 and key[0] == S.MODEL_KEY and key[1] == S.FULL_PRECISION_KEY
+
+
 class _Planner:
     """Builds the plan for one validated rank set, collecting every problem."""
 
@@ -111,6 +120,11 @@ class _Planner:
         self.flats = [_flatten(src.tree()) for src in rank_set.sources]
         self.pinfo = [self._read_pinfo(src) for src in rank_set.sources]
         self._names: dict[str, tuple[tuple[int, ...], int] | None] = {}
+        # Legacy ZeRO + mixed precision (reference §3.2): the fp32 master weights are partitioned like
+        # the moments, so a weight is whole on its owner only, or 1-D pieces on the ranks it straddles.
+        # (Our trainer keeps every weight whole on every rank; those sets plan as whole copies.)
+        options = rank_set.options
+        self.partitioned_weights = options.mixed_precision and options.zero_stage > 0
 
     def _read_pinfo(self, src: RankSource) -> dict[str, PartitionInfo]:
         if not src.has((S.PARTITION_INFO_KEY,)):
@@ -139,6 +153,8 @@ class _Planner:
             else:
                 items += self._item(key, "param" if top in (S.MODEL_KEY, S.OPTIMIZER_KEY) else "everywhere")
         self._check_flat_order()
+        if self.partitioned_weights:
+            self._check_weights_held()
         if self.problems:
             raise AggregationError(
                 f"cannot aggregate the {len(self.flats)} rank checkpoints:\n  - " + "\n  - ".join(self.problems)
@@ -156,7 +172,10 @@ class _Planner:
         """Plan one key; kind: 'param' (model/optimizer rules), 'everywhere' (replicated) or 'rank0'."""
         flats = self.flats[:1] if kind == "rank0" else self.flats
         found = {r: flat[key] for r, flat in enumerate(flats) if key in flat}
-        owned = kind == "param" and key[0] == S.OPTIMIZER_KEY and len(key) == 2  # ZeRO: only on owners
+        owned = kind == "param" and (
+            (key[0] == S.OPTIMIZER_KEY and len(key) == 2)  # ZeRO: only on owners
+            or (self.partitioned_weights and _is_weight(key))
+        )
         if kind != "rank0" and (not owned or key[1] == S.SHARED_OPTIMIZER_STATE_KEY):
             self._check_everywhere(key)
         groups = sorted(r for r, info in found.items() if info is None)
@@ -188,6 +207,26 @@ class _Planner:
         missing = [r for r, flat in enumerate(self.flats) if key not in flat and (len(key) == 1 or key[:-1] in flat)]
         if missing:
             self.problems.append(f"'{_fmt(key)}' is missing on {self.where(missing)}")
+
+    def _check_weights_held(self) -> None:
+        """Partitioned fp32 weights: every weight with optimizer state or partition_info is on some rank."""
+        weights = (S.MODEL_KEY, S.FULL_PRECISION_KEY)
+        if not any(weights in flat for flat in self.flats):
+            return  # no model weights saved at all (optimizer state only)
+        held = {k[2] for flat in self.flats for k in flat if _is_weight(k)}
+        claims: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+        for r, flat in enumerate(self.flats):
+            for k, info in flat.items():
+                if k[0] == S.OPTIMIZER_KEY and len(k) == 2 and info is None and k[1] != S.SHARED_OPTIMIZER_STATE_KEY:
+                    claims[k[1]][r].append("optimizer state")
+            for name in self.pinfo[r]:
+                claims[name][r].append(S.PARTITION_INFO_KEY)
+        for name in sorted(set(claims) - held):
+            where = ", ".join(f"{' and '.join(what)} on {self.where([r])}" for r, what in sorted(claims[name].items()))
+            self.problems.append(
+                f"'{_fmt((*weights, name))}' is not held by any rank (with ZeRO and mixed_precision each fp32 "
+                f"weight is kept whole by its owner or in 1-D pieces by the ranks it straddles); it has {where}"
+            )
 
     def _check_flat_order(self) -> None:
         """Every trainable parameter (distributed/flat_order) has optimizer state on some rank."""
@@ -244,7 +283,8 @@ class _Planner:
             local, axis = self._local_shape(name, shape, flag)
             if local is None:
                 return []
-        columns = [self._column(key, name, ranks, local, split) for ranks in holders]
+        pieces = split and (key[0] == S.OPTIMIZER_KEY or self.partitioned_weights)
+        columns = [self._column(key, name, ranks, local, pieces) for ranks in holders]
         if None in columns:
             return []
         if axis is None and all(isinstance(c, Copies) for c in columns):
@@ -289,11 +329,11 @@ class _Planner:
             return False
         return agreed
 
-    def _column(self, key: Key, name: str, ranks: list[int], local: tuple, split: bool) -> Copies | Pieces | None:
-        """How one h column holds the tensor: whole copies or ZeRO pieces (None after a problem)."""
+    def _column(self, key: Key, name: str, ranks: list[int], local: tuple, pieces: bool) -> Copies | Pieces | None:
+        """How one h column holds the tensor: whole copies or (if ``pieces``) ZeRO pieces; None after a problem."""
         copies, parts, bad = [], [], []
         for r in ranks:
-            shape, info = tuple(self.flats[r][key].shape), self.pinfo[r].get(name) if split else None
+            shape, info = tuple(self.flats[r][key].shape), self.pinfo[r].get(name) if pieces else None
             if shape == local:
                 copies.append(r)
             elif info is not None and len(shape) == 1:
@@ -302,9 +342,11 @@ class _Planner:
                 bad.append(r)
         if bad:
             shapes = "; ".join(f"{tuple(self.flats[r][key].shape)} on {self.where([r])}" for r in bad)
-            self.problems.append(
-                f"'{_fmt(key)}': expected shape {local} (or a 1-D ZeRO piece with a partition_info entry), got {shapes}"
-            )
+            if pieces or not _is_weight(key):
+                expected = f"{local} (or a 1-D ZeRO piece with a partition_info entry)"
+            else:
+                expected = f"{local} (whole: fp32 weights are ZeRO pieces only with zero_stage > 0 and mixed_precision)"
+            self.problems.append(f"'{_fmt(key)}': expected shape {expected}, got {shapes}")
             return None
         if copies and parts:
             self.problems.append(
