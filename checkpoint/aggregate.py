@@ -14,7 +14,7 @@ must be bit-identical on the ranks holding it. ``train_step_info``, ``lr_schedul
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -121,16 +121,38 @@ def aggregate_checkpoints(paths: PathLike | Sequence[PathLike], pytorch_format: 
         return build_tree(assemble(plan, pytorch_format=pytorch_format))
 
 
+def _reporting(
+    items: Iterable[tuple[Key, Any]], total: int, progress: Callable[[int, int], None]
+) -> Iterator[tuple[Key, Any]]:
+    """Pass ``items`` through, calling ``progress(done, total)`` after each value (not group) is consumed."""
+    done = 0
+    for pair in items:
+        leaf = not isinstance(pair[1], Mapping)
+        yield pair
+        del pair  # the writer is done with it: do not keep it alive while the next one is produced
+        if leaf:
+            done += 1
+            progress(done, total)
+
+
 def aggregate_to_file(
-    paths: PathLike | Sequence[PathLike], out_path: PathLike, *, pytorch_format: bool = False, overwrite: bool = False
+    paths: PathLike | Sequence[PathLike],
+    out_path: PathLike,
+    *,
+    pytorch_format: bool = False,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Like :func:`aggregate_checkpoints`, but stream the result into a checkpoint at ``out_path``.
 
     Tensors are read, combined and written one at a time (peak memory about two full tensors plus
     HDF5 buffers). The file is published atomically only if everything succeeded; it loads with
-    ``checkpoint.load`` and its checksums verify.
+    ``checkpoint.load`` and its checksums verify. ``progress(done, total)``, if given, is called
+    after each value is written (``total`` values in all).
     """
     with _open_set(paths) as plan:
         count = leaf_count(plan, pytorch_format=pytorch_format)
         values = assemble(plan, pytorch_format=pytorch_format, reuse_output=True)
+        if progress is not None:
+            values = _reporting(values, count, progress)
         return save_stream(values, out_path, max_leaves=count, overwrite=overwrite)

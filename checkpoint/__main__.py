@@ -1,0 +1,10 @@
+"""``python -m checkpoint`` and the ``ort-trainer-ckpt`` console script (see ``checkpoint/cli.py``)."""
+
+import sys
+
+from .cli import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Helpers shared by the ``ort-trainer-ckpt`` subcommands: input kinds, JSON values, sizes, atomic output.
+
+Pure helpers (``dtype_name``, ``value_nbytes``, ``jsonable``, ``key_str``) take no paths; the few
+that touch files (``input_kind``, ``check_output``, ``write_atomically``) are at the bottom.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import h5py
+import numpy as np
+import torch
+
+from ._h5_reader import DatasetInfo
+from ._h5_writer import _fsync, _publish
+from ._manifest import is_manifest
+from .errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
+
+__all__ = [
+    "InputKind",
+    "check_output",
+    "dtype_name",
+    "input_kind",
+    "jsonable",
+    "key_str",
+    "output_kind",
+    "value_nbytes",
+    "write_atomically",
+]
+
+InputKind = Literal["manifest", "checkpoint", "torch", "safetensors"]
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+SAFETENSORS_SUFFIX = ".safetensors"
+_SCALAR_NBYTES = {int: 8, float: 8, bool: 1, type(None): 0}
+_INLINE_NUMEL = 8  # tensors up to this many elements are shown by value in JSON
+
+
+# ---- pure helpers -----------------------------------------------------------------------------------
+def key_str(key: tuple[str, ...]) -> str:
+    """('model', 'full_precision', 'w') -> 'model/full_precision/w'."""
+    return "/".join(key)
+
+
+def dtype_name(dtype: torch.dtype | type) -> str:
+    """'float32' for torch.float32, 'int' for int, 'NoneType' for None."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return dtype.__name__
+
+
+def value_nbytes(info: DatasetInfo) -> int | None:
+    """Bytes of array data (numel * itemsize) and of numeric scalars; None for str/bytes/lists (unknown unread)."""
+    if isinstance(info.dtype, torch.dtype):
+        return math.prod(info.shape) * info.dtype.itemsize
+    size = _SCALAR_NBYTES.get(info.dtype)
+    return None if size is None else size * math.prod(info.shape)
+
+
+def jsonable(value: Any) -> Any:
+    """A JSON-safe copy: small tensors/arrays as lists, large ones as a description, bytes by length."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray | np.generic):
+        value = torch.from_numpy(np.asarray(value))
+    if isinstance(value, torch.Tensor):
+        if value.numel() <= _INLINE_NUMEL and not value.is_complex():
+            return jsonable(value.tolist())
+        return f"<tensor shape {list(value.shape)} {dtype_name(value.dtype)}>"
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return repr(value)
+
+
+def output_kind(path: Path) -> Literal["checkpoint", "torch", "safetensors"]:
+    """By suffix: .pt/.pth/.bin -> torch, .safetensors -> safetensors, anything else -> our checkpoint."""
+    suffix = path.suffix.lower()
+    if suffix in TORCH_SUFFIXES:
+        return "torch"
+    return "safetensors" if suffix == SAFETENSORS_SUFFIX else "checkpoint"
+
+
+# ---- file helpers -----------------------------------------------------------------------------------
+def input_kind(path: Path) -> InputKind:
+    """What ``path`` holds, by content where possible (HDF5 signature, manifest JSON), else by suffix."""
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such file")
+    if path.is_dir():
+        raise CheckpointFormatError(f"{path} is a directory; give a checkpoint, manifest, .pt or .safetensors file")
+    if path.suffix.lower() == SAFETENSORS_SUFFIX:
+        return "safetensors"
+    if h5py.is_hdf5(path):
+        return "checkpoint"
+    if is_manifest(path):
+        return "manifest"
+    with open(path, "rb") as fh:
+        zipped = fh.read(4) == b"PK\x03\x04"  # torch.save's zip container
+    if zipped or path.suffix.lower() in TORCH_SUFFIXES:
+        return "torch"
+    raise CheckpointFormatError(
+        f"{path} is not a checkpoint (HDF5), a manifest (.manifest.json), a PyTorch file ({', '.join(TORCH_SUFFIXES)}) "
+        f"or a {SAFETENSORS_SUFFIX} file"
+    )
+
+
+def check_output(path: Path, overwrite: bool) -> None:
+    """Refuse early (before any work) an output that exists without --overwrite, or whose folder is missing."""
+    if path.is_dir():
+        raise CheckpointFormatError(f"{path} is a directory; give a file path for the output")
+    if path.exists() and not overwrite:
+        raise CheckpointExistsError(f"{path} already exists; pass --overwrite to replace it")
+    if not path.parent.is_dir():
+        raise CheckpointNotFoundError(f"cannot write {path}: folder {path.parent} does not exist")
+
+
+def write_atomically(path: Path, write: Callable[[Path], None], *, overwrite: bool) -> None:
+    """Call ``write(tmp)`` on a temp file next to ``path``, fsync it, then publish it under ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        write(tmp)
+        _fsync(tmp, os.O_RDONLY)
+        _publish(tmp, path, overwrite)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

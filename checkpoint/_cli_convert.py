@@ -1,0 +1,242 @@
+"""``ort-trainer-ckpt convert``: checkpoint <-> PyTorch state dict (``.pt``) or ``.safetensors``.
+
+Checkpoint (ours, legacy, or a manifest's set) -> ``{name: tensor}`` of ``model/full_precision``
+(plus ``optimizer/<name>/<key>`` tensors with ``--optimizer``). The reverse turns a flat state dict
+into a weights-only checkpoint: ``model/full_precision/<name>``, default ``trainer_options`` and
+zeroed ``train_step_info``. ``.pt`` files are read with ``torch.load(weights_only=True)`` only.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _schema as S
+from ._cli_common import InputKind, output_kind, write_atomically
+from ._h5_reader import open_checkpoint
+from ._h5_writer import save
+from ._schema import TrainerOptionsRecord
+from .aggregate import aggregate_checkpoints
+from .errors import CheckpointFormatError
+
+__all__ = [
+    "OPTIMIZER_NAMES",
+    "checkpoint_tensors",
+    "drop_counters",
+    "flatten",
+    "read_state_dict",
+    "run_convert",
+    "strip_prefix",
+    "weights_only_tree",
+    "write_tensors",
+]
+
+OPTIMIZER_NAMES = ("AdamOptimizer", "LambOptimizer", "SGDOptimizer")
+_SKIPPED_BUFFER = "num_batches_tracked"  # int BatchNorm counter: the trainer tracks it itself, not as a weight
+_MAX_LISTED = 10
+
+
+def _listed(items: list[str]) -> str:
+    more = f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
+    return f"{items[:_MAX_LISTED]}{more}"
+
+
+# ---- pure transformations ------------------------------------------------------------------------------
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': v}} -> {'a/b': v} (prefix joined with '/')."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        flat |= flatten(value, name) if isinstance(value, Mapping) else {name: value}
+    return flat
+
+
+def _as_tensors(values: Mapping[str, Any], source: Path, what: str) -> dict[str, torch.Tensor]:
+    """Tensors as they are, python numbers as 0-d tensors; anything else is an error listing every offender."""
+    out, bad = {}, []
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value
+        elif isinstance(value, bool | int | float):
+            out[key] = torch.tensor(value)
+        else:
+            bad.append(f"{key} ({type(value).__name__})")
+    if bad:
+        raise CheckpointFormatError(f"{source}: {what} values that are not tensors: {_listed(sorted(bad))}")
+    return out
+
+
+def strip_prefix(tensors: Mapping[str, Any], prefix: str | None, source: Path) -> dict[str, Any]:
+    """Drop ``prefix`` (e.g. 'module.' of DDP) from the names that start with it; at least one must."""
+    if not prefix:
+        return dict(tensors)
+    if not any(name.startswith(prefix) for name in tensors):
+        raise CheckpointFormatError(
+            f"--prefix-strip {prefix!r}: no name in {source} starts with it (names: {_listed(sorted(tensors))})"
+        )
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        new = name.removeprefix(prefix)
+        if not new or new in out:
+            raise CheckpointFormatError(f"--prefix-strip {prefix!r}: '{name}' becomes {new!r}, empty or a duplicate")
+        out[new] = value
+    return out
+
+
+def weights_only_tree(tensors: Mapping[str, torch.Tensor], optimizer_name: str) -> dict[str, Any]:
+    """A single-process checkpoint tree of model weights, as ``ORTTrainer.load_checkpoint`` reads it.
+
+    Names ``optimizer/<name>/<key>`` (as ``convert --optimizer`` writes them) go back into the optimizer group.
+    """
+    prefix = f"{S.OPTIMIZER_KEY}/"
+    weights = {name: t.detach() for name, t in tensors.items() if not name.startswith(prefix)}
+    optimizer: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            *groups, leaf = name.removeprefix(prefix).split("/")
+            node = optimizer
+            for group in groups:
+                node = node.setdefault(group, {})
+            node[leaf] = tensor.detach()
+    options = TrainerOptionsRecord(
+        mixed_precision=False,
+        zero_stage=0,
+        world_rank=0,
+        world_size=1,
+        optimizer_name=optimizer_name,
+        data_parallel_size=1,
+        horizontal_parallel_size=1,
+    )
+    tree = {
+        S.MODEL_KEY: {S.FULL_PRECISION_KEY: weights},
+        S.TRAINER_OPTIONS_KEY: options.to_tree(),
+        S.TRAIN_STEP_INFO_KEY: {S.OPTIMIZATION_STEP_KEY: 0, S.TRAIN_STEP_KEY: 0},
+    }
+    return tree | ({S.OPTIMIZER_KEY: optimizer} if optimizer else {})
+
+
+# ---- reading ---------------------------------------------------------------------------------------------
+def checkpoint_tensors(source: Path, kind: InputKind, optimizer: bool) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of the model weights (+ ``optimizer/<name>/<key>``) of a checkpoint or a manifest's set."""
+    if kind == "manifest":
+        state = aggregate_checkpoints(source)
+    else:
+        with open_checkpoint(source) as reader:
+            options = reader.read(S.TRAINER_OPTIONS_KEY) if S.TRAINER_OPTIONS_KEY in reader else {}
+            _refuse_partitioned(options, source, optimizer)
+            weights_key = (S.MODEL_KEY, S.FULL_PRECISION_KEY)
+            state = {S.MODEL_KEY: {S.FULL_PRECISION_KEY: reader.read(weights_key)}} if weights_key in reader else {}
+            if optimizer and S.OPTIMIZER_KEY in reader:
+                state[S.OPTIMIZER_KEY] = reader.read(S.OPTIMIZER_KEY)
+    weights = state.get(S.MODEL_KEY, {}).get(S.FULL_PRECISION_KEY)
+    if not isinstance(weights, Mapping):
+        raise CheckpointFormatError(f"{source} has no '{S.MODEL_KEY}/{S.FULL_PRECISION_KEY}' group of weights")
+    tensors = _as_tensors(weights, source, f"'{S.MODEL_KEY}/{S.FULL_PRECISION_KEY}' has")
+    if optimizer:
+        if not isinstance(state.get(S.OPTIMIZER_KEY), Mapping) or not state[S.OPTIMIZER_KEY]:
+            raise CheckpointFormatError(f"{source} has no '{S.OPTIMIZER_KEY}' state; convert without --optimizer")
+        tensors |= _as_tensors(flatten(state[S.OPTIMIZER_KEY], S.OPTIMIZER_KEY), source, "the optimizer has")
+    return tensors
+
+
+def _refuse_partitioned(options: Any, source: Path, optimizer: bool) -> None:
+    """One rank's file of a Megatron save (or of a ZeRO save, with --optimizer) holds only pieces."""
+    get = options.get if isinstance(options, Mapping) else (lambda key, default: default)
+    world, zero = get(S.WORLD_SIZE_KEY, 1), get(S.ZERO_STAGE_KEY, 0)
+    megatron = get(S.HORIZONTAL_PARALLEL_SIZE_KEY, 1) > 1
+    if world > 1 and (megatron or (optimizer and zero > 0)):
+        what = "Megatron-partitioned weights" if megatron else "ZeRO pieces of the optimizer state"
+        raise CheckpointFormatError(
+            f"{source} is rank {get(S.WORLD_RANK_KEY, '?')} of a {world}-rank save and holds {what}; "
+            "convert the save's manifest (<path>.manifest.json) instead, or aggregate it first"
+        )
+
+
+def read_state_dict(source: Path, kind: InputKind) -> dict[str, Any]:
+    """A ``.safetensors`` file, or a ``.pt`` file through ``torch.load(weights_only=True)`` (never full pickle)."""
+    if kind == "safetensors":
+        return dict(_safetensors().load_file(str(source)))
+    try:
+        data = torch.load(source, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise CheckpointFormatError(
+            f"{source} cannot be read with torch.load(weights_only=True) (no full unpickling here): {_reason(exc)}"
+        ) from None
+    if not isinstance(data, Mapping):
+        raise CheckpointFormatError(f"{source} holds a {type(data).__name__}, expected a {{name: tensor}} state dict")
+    bad = sorted(f"{k} ({type(v).__name__})" for k, v in data.items() if not isinstance(v, torch.Tensor))
+    if bad:
+        raise CheckpointFormatError(
+            f"{source}: expected a flat {{name: tensor}} state dict (e.g. model.state_dict()), "
+            f"got non-tensor values at {_listed(bad)}"
+        )
+    return dict(data)
+
+
+def _reason(exc: BaseException) -> str:
+    """The useful line of torch's long weights-only message (the refused global), without ANSI codes."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(exc).splitlines() if line.strip()]
+    found = [line for line in lines if "Unsupported" in line or "Unpickler error" in line]
+    return (found or lines or [type(exc).__name__])[0]
+
+
+def drop_counters(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Remove BatchNorm ``num_batches_tracked`` counters (not weights in the trainer's layout)."""
+    dropped = sorted(k for k in tensors if k.rsplit(".", 1)[-1] == _SKIPPED_BUFFER)
+    return {k: v for k, v in tensors.items() if k not in dropped}, dropped
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+def write_tensors(tensors: Mapping[str, torch.Tensor], target: Path, *, overwrite: bool) -> None:
+    """``torch.save`` of the dict (.pt) or ``safetensors.torch.save_file`` (.safetensors), atomically."""
+    if output_kind(target) == "safetensors":
+        st = _safetensors()
+        data = {k: v.detach().contiguous().clone() for k, v in tensors.items()}  # safetensors refuses shared memory
+        metadata = {"format": "pt"}
+        write_atomically(target, lambda tmp: st.save_file(data, str(tmp), metadata=metadata), overwrite=overwrite)
+    else:
+        data = {k: v.detach() for k, v in tensors.items()}
+        write_atomically(target, lambda tmp: torch.save(data, tmp), overwrite=overwrite)
+
+
+def run_convert(
+    source: Path,
+    target: Path,
+    kind: InputKind,
+    *,
+    optimizer: bool,
+    prefix: str | None,
+    optimizer_name: str,
+    overwrite: bool,
+) -> str:
+    """Convert in the direction the input kind and output suffix give; return a one-line summary."""
+    out_kind = output_kind(target)
+    from_checkpoint = kind in ("checkpoint", "manifest")
+    if from_checkpoint == (out_kind == "checkpoint"):
+        want = "a .pt or .safetensors output" if from_checkpoint else "a checkpoint output (e.g. .ortcp)"
+        raise CheckpointFormatError(f"cannot convert {source} ({kind}) to {target} ({out_kind}): expected {want}")
+    if from_checkpoint:
+        tensors = strip_prefix(checkpoint_tensors(source, kind, optimizer), prefix, source)
+        write_tensors(tensors, target, overwrite=overwrite)
+        note = ""
+    else:
+        if optimizer:
+            raise CheckpointFormatError("--optimizer applies only when converting from a checkpoint")
+        tensors, dropped = drop_counters(strip_prefix(read_state_dict(source, kind), prefix, source))
+        save(weights_only_tree(tensors, optimizer_name), target, overwrite=overwrite)
+        note = f"; dropped {len(dropped)} {_SKIPPED_BUFFER} counter(s)" if dropped else ""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return f"wrote {target}: {len(tensors)} tensors, {nbytes:,} bytes of data, from {source}{note}"
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise CheckpointFormatError("reading or writing .safetensors needs the 'safetensors' package") from None
+    return safetensors.torch

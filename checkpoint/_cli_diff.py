@@ -1,0 +1,166 @@
+"""``ort-trainer-ckpt diff``: compare two checkpoints key by key, one tensor in memory at a time.
+
+Keys are '/'-joined paths. Shapes and dtypes are compared from metadata first; tensor values are
+read only when those agree. Within tolerance means ``|a - b| <= atol + rtol * |b|`` elementwise
+(NaN equals NaN at the same position). ``compare_*`` and ``format_diff`` are pure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._cli_common import InputKind, dtype_name, input_kind, key_str
+from ._cli_convert import flatten, read_state_dict
+from ._h5_reader import DatasetInfo, open_checkpoint
+from .aggregate import aggregate_checkpoints
+
+__all__ = ["Difference", "compare_tensors", "compare_values", "diff_paths", "format_diff"]
+
+_CHUNK = 1 << 20  # elements compared at a time (bounds the float64 temporaries)
+_REPR_CHARS = 60
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One finding: ``kind`` is 'only_a', 'only_b', 'layout' (type/shape/dtype), 'tensor' or 'value'."""
+
+    kind: str
+    key: str
+    detail: str = ""
+    max_abs: float = 0.0  # for 'tensor' (and numeric 'value'): the largest absolute difference
+
+
+# ---- pure comparisons -----------------------------------------------------------------------------------
+def _short(value: Any) -> str:
+    text = f"<{len(value)} bytes>" if isinstance(value, bytes) else repr(value)
+    return text if len(text) <= _REPR_CHARS else text[: _REPR_CHARS - 3] + "..."
+
+
+def _chunk_stats(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, int, int]:
+    """For 1-D chunks: (largest finite |a - b|, elements outside tolerance, elements NaN on one side only)."""
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    x, y = a.to(wide), b.to(wide)
+    same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+    delta = torch.where(same, torch.zeros((), dtype=torch.float64), (x - y).abs())
+    one_nan = torch.isnan(delta)
+    bad = one_nan | (delta > atol + rtol * y.abs())
+    worst = torch.where(one_nan, torch.zeros((), dtype=torch.float64), delta).max().item()
+    return worst, int(bad.sum()), int(one_nan.sum())
+
+
+def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> Difference | None:
+    """None if equal within tolerance, else the largest absolute difference and how many elements differ."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return Difference(
+            "layout", key, f"{tuple(a.shape)} {dtype_name(a.dtype)} vs {tuple(b.shape)} {dtype_name(b.dtype)}"
+        )
+    x, y = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
+    if x.numel() == 0 or torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+        return None
+    worst, count, nans = 0.0, 0, 0
+    for start in range(0, x.numel(), _CHUNK):
+        stats = _chunk_stats(x[start : start + _CHUNK], y[start : start + _CHUNK], atol, rtol)
+        worst, count, nans = max(worst, stats[0]), count + stats[1], nans + stats[2]
+    if count == 0:
+        return None
+    nan_text = f", {nans} NaN on one side only" if nans else ""
+    detail = f"max abs diff {worst:.6g} ({count} of {x.numel()} elements differ{nan_text})"
+    return Difference("tensor", key, detail, math.inf if nans else worst)
+
+
+def compare_values(key: str, a: Any, b: Any, atol: float, rtol: float) -> Difference | None:
+    """Python values: numbers within tolerance (bools and ints of different type are not numbers alike)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return compare_tensors(key, a, b, atol, rtol)
+        return Difference("layout", key, f"{_kind(a)} vs {_kind(b)}")
+    if type(a) is not type(b):
+        return Difference("layout", key, f"{type(a).__name__} {_short(a)} vs {type(b).__name__} {_short(b)}")
+    if isinstance(a, int | float) and not isinstance(a, bool):
+        gap = abs(a - b)
+        if a == b or (a != a and b != b) or gap <= atol + rtol * abs(b):
+            return None
+        return Difference("value", key, f"{_short(a)} vs {_short(b)}", gap if gap == gap else math.inf)
+    return None if a == b else Difference("value", key, f"{_short(a)} vs {_short(b)}")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor {tuple(value.shape)} {dtype_name(value.dtype)}"
+    return type(value).__name__
+
+
+def _layout(info: Any) -> str:
+    if isinstance(info.dtype, torch.dtype):
+        return f"tensor {info.shape} {dtype_name(info.dtype)}"
+    return dtype_name(info.dtype)
+
+
+def format_diff(diffs: list[Difference], a: str, b: str, compared: int, atol: float, rtol: float) -> list[str]:
+    """Only-in keys, layout differences, tensors by largest difference first, then values; and a summary."""
+    order = {"only_a": 0, "only_b": 1, "layout": 2, "tensor": 3, "value": 4}
+    ranked = sorted(diffs, key=lambda d: (order[d.kind], -d.max_abs if d.kind == "tensor" else 0.0, d.key))
+    label = {"only_a": f"only in {a}", "only_b": f"only in {b}", "layout": "type/shape/dtype differs"}
+    lines = []
+    for d in ranked:
+        head = label.get(d.kind, f"{d.kind} differs")
+        lines.append(f"{head}: {d.key}" + (f": {d.detail}" if d.detail else ""))
+    tolerance = "exactly" if atol == 0 and rtol == 0 else f"within atol={atol:g}, rtol={rtol:g}"
+    if diffs:
+        lines.append(f"{len(diffs)} difference(s) between {a} and {b} ({compared} keys compared {tolerance})")
+    else:
+        lines.append(f"{a} and {b} are equal ({compared} keys, {tolerance})")
+    return lines
+
+
+# ---- reading -------------------------------------------------------------------------------------------
+class _Flat:
+    """A checkpoint (read key by key) or an in-memory tree, as '/'-joined keys with metadata."""
+
+    def __init__(self, infos: Mapping[str, Any], read: Any) -> None:
+        self.infos, self.read = infos, read
+
+
+def _info_of(value: Any) -> DatasetInfo:
+    if isinstance(value, torch.Tensor):
+        return DatasetInfo(tuple(value.shape), value.dtype)
+    return DatasetInfo((), type(value))
+
+
+@contextmanager
+def _open_flat(path: Path) -> Iterator[_Flat]:
+    kind: InputKind = input_kind(path)
+    if kind == "checkpoint":
+        with open_checkpoint(path) as reader:
+            keys = {key_str(k): (k, info) for k, info in reader.walk()}
+            yield _Flat({name: info for name, (_, info) in keys.items()}, lambda name: reader.read(keys[name][0]))
+        return
+    tree = aggregate_checkpoints(path) if kind == "manifest" else read_state_dict(path, kind)
+    flat = flatten(tree)
+    yield _Flat({name: _info_of(v) for name, v in flat.items()}, flat.__getitem__)
+
+
+def diff_paths(path_a: Path, path_b: Path, atol: float, rtol: float) -> tuple[list[Difference], int]:
+    """Every difference between the two inputs, and how many keys they share."""
+    with _open_flat(path_a) as a, _open_flat(path_b) as b:
+        diffs = [Difference("only_a", k) for k in sorted(a.infos.keys() - b.infos.keys())]
+        diffs += [Difference("only_b", k) for k in sorted(b.infos.keys() - a.infos.keys())]
+        shared = sorted(a.infos.keys() & b.infos.keys())
+        for key in shared:
+            ia, ib = a.infos[key], b.infos[key]
+            if isinstance(ia.dtype, torch.dtype) != isinstance(ib.dtype, torch.dtype) or (
+                isinstance(ia.dtype, torch.dtype) and ia != ib
+            ):
+                diffs.append(Difference("layout", key, f"{_layout(ia)} vs {_layout(ib)}"))
+                continue
+            found = compare_values(key, a.read(key), b.read(key), atol, rtol)
+            if found is not None:
+                diffs.append(found)
+    return diffs, len(shared)
