@@ -1,11 +1,22 @@
-"""The samples run end to end: a shortened samples/train_lm.py trains, plots and hands weights back to torch."""
+"""The samples run end to end, shortened: samples/train_lm.py trains, plots and hands weights back to torch;
+samples/resume_lm.py resumes a killed run bit for bit; samples/distributed_lm.py trains on 2 ranks with ZeRO,
+aggregates the rank files with the checkpoint CLI and generates text from the result."""
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -46,3 +57,103 @@ def test_train_lm_sample_learns_and_writes_the_loss_curve(tmp_path):
     ort_loss = _number(r"ONNX Runtime ([\d.]+)", result.stdout)
     torch_loss = _number(r"PyTorch ([\d.]+)", result.stdout)
     assert abs(ort_loss - torch_loss) < 1e-3, result.stdout
+
+
+# -----------------------------------------------------------------------------
+# samples that start processes of their own: run each in its own session, kill everything on failure,
+# and check that no process of the sample outlives it.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    """Pids of live processes whose command line contains ``marker`` (the test's unique tmp folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in entry.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:  # exited meanwhile
+            continue
+    return pids
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _run_sample(command: list[str], tmp_path: Path, timeout: float, env: dict | None = None):
+    """Run ``command`` (which mentions ``tmp_path``) to completion; fail on a non-zero exit, a timeout or orphans.
+
+    The sample runs in a new session so that a timeout kills its whole process group; torchrun's workers
+    start sessions of their own, so leftovers are found by their command line, which names ``tmp_path``.
+    """
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,  # the sample must not depend on the working directory
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        _kill(_processes_mentioning(str(tmp_path)))
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr[-5000:]}")
+    finally:
+        leftovers = [] if proc.poll() is None else _processes_mentioning(str(tmp_path))
+        _kill(leftovers)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{stdout}\nstderr:\n{stderr[-5000:]}"
+    assert not leftovers, f"processes left running after the sample exited: {leftovers}"
+    return stdout, stderr
+
+
+def test_resume_sample_continues_bit_for_bit_after_sigkill(tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, str(ROOT / "samples" / "resume_lm.py"), "--steps", "20", "--save-every", "5"]
+    stdout, _ = _run_sample([*command, "--kill-at", "13", "--out", str(out)], tmp_path, timeout=180)
+
+    assert "[crash run] kill point reached at step 13" in stdout, stdout
+    assert "[resumed run] resuming from step00010.ortcp (step 10)" in stdout, stdout  # the newest checkpoint
+    png = out / "resume.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC, f"{png} is not a PNG"
+    summary = next((line for line in stdout.splitlines() if line.startswith("summary:")), "")
+    assert f"png={png}" in summary and "resumed_from=10 " in summary, summary
+    # the resumed run equals the uninterrupted one exactly: every loss and every final weight
+    assert _number(r"loss_diff=([-\d.e+]+)", summary) == 0.0, summary
+    assert _number(r"weight_diff=([-\d.e+]+)", summary) == 0.0, summary
+
+
+def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
+    out = tmp_path / "out"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    launcher += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    command = [*launcher, str(ROOT / "samples" / "distributed_lm.py"), "--steps", "20", "--out", str(out)]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # gloo's own connections stay on the loopback interface too
+    stdout, _ = _run_sample(command, tmp_path, timeout=180, env=env)
+
+    for name in ("lm.rank0-of-2.ortcp", "lm.rank1-of-2.ortcp", "lm.ortcp.manifest.json"):
+        assert (out / name).is_file(), f"{name} missing; {sorted(p.name for p in out.iterdir())}"
+    full = out / "lm-full.ortcp"
+    options = checkpoint.load(full, key="trainer_options")
+    assert (options["world_size"], options["zero_stage"]) == (1, 0), options
+    assert "aggregated weights equal rank 0's trained weights: True" in stdout, stdout
+    summary = next((line for line in stdout.splitlines() if line.startswith("summary:")), "")
+    assert "world_size=2 zero_stage=1 steps=20 " in summary and f"aggregated={full}" in summary, summary
+    assert _number(r"last_loss=([\d.]+)", summary) < _number(r"first_loss=([\d.]+)", summary) - 0.8, summary
+    generated = next((line for line in stdout.splitlines() if line.startswith("generated: ")), "")
+    text = ast.literal_eval(generated.removeprefix("generated: ")) if generated else ""
+    assert text.startswith("This License ") and len(text) == len("This License ") + 100, stdout

@@ -1,0 +1,194 @@
+"""Train the character LM on 2 processes with ZeRO stage 1, then turn the per-rank checkpoint into one model.
+
+    torchrun --nproc_per_node 2 samples/distributed_lm.py              # the full demo: under a minute on 2 CPU cores
+    torchrun --standalone --nproc_per_node 2 samples/distributed_lm.py # the same, on a free port (29500 taken?)
+    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29517 \\
+        samples/distributed_lm.py --steps 20 --out /tmp/dist           # a quick smoke run (what the tests do)
+
+torchrun starts one process per rank and gives each RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the
+trainer reads them and creates the gloo process group itself. Every rank draws the same global batch and
+trains on its own slice of it; gradients are averaged over the ranks, so the run is the single-process run
+on the global batch. With ZeRO stage 1 each rank keeps the Adam moments of only its 1/WORLD_SIZE of the
+parameters. At the end every rank saves its part (OUT_DIR/lm.rank<r>-of-<W>.ortcp, plus the manifest
+OUT_DIR/lm.ortcp.manifest.json that rank 0 writes once all files are complete). Rank 0 then aggregates the
+set into one ordinary checkpoint with the checkpoint CLI, loads its weights into the plain PyTorch module
+and generates some text. Multi-machine runs: see "Distributed training" in README.md.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import checkpoint
+from ort_trainer import ORTTrainer, optim
+
+# -----------------------------------------------------------------------------
+# settings: the model and optimizer of samples/train_lm.py
+SEED = 1337
+DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
+OUT_DIR = "out/distributed"  # git-ignored
+CONTEXT = 64
+BATCH = 16  # the global batch: each of the WORLD_SIZE ranks trains on BATCH / WORLD_SIZE rows of it
+D_MODEL = 64
+LAYERS = 2
+HEADS = 4
+DROPOUT = 0.1
+STEPS = 1000  # a rank computes only BATCH / WORLD_SIZE rows a step: cheap steps, so more of them than train_lm.py
+LR = 1e-2
+WARMUP = 0.05
+WEIGHT_DECAY = 0.01
+BETA2 = 0.99
+ZERO_STAGE = 1  # 2 would also shard the gradients: each chunk is reduced to its owner only (less traffic)
+GENERATE_CHARS = 100
+PROMPT = "This License "
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
+parser.add_argument("--out", default=OUT_DIR, help=f"folder for the checkpoints (default {OUT_DIR}/)")
+args = parser.parse_args()
+STEPS, OUT_DIR = args.steps, Path(args.out)
+
+if "RANK" not in os.environ:
+    sys.exit(f"launch this sample with torchrun, e.g.: torchrun --nproc_per_node 2 {sys.argv[0]}")
+RANK, WORLD_SIZE = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+if BATCH % WORLD_SIZE:
+    sys.exit(f"the global batch of {BATCH} rows does not split evenly over {WORLD_SIZE} ranks")
+torch.manual_seed(SEED)  # equal on every rank anyway: the trainer broadcasts rank 0's initial weights
+started = time.perf_counter()
+
+# -----------------------------------------------------------------------------
+# data: the same split as train_lm.py (the last 10% of the corpus is never trained on)
+text = DATA.read_text(encoding="ascii")
+chars = sorted(set(text))
+vocab = len(chars)
+index_of = {c: i for i, c in enumerate(chars)}
+data = torch.tensor([index_of[c] for c in text], dtype=torch.long)
+train_data = data[: int(len(data) * 0.9)]
+
+
+def get_global_batch(generator):
+    """BATCH random windows; every rank seeds the generator alike, so all draw the same global batch."""
+    starts = torch.randint(len(train_data) - CONTEXT - 1, (BATCH,), generator=generator)
+    tokens = torch.stack([train_data[s : s + CONTEXT] for s in starts])
+    label = torch.stack([train_data[s + 1 : s + 1 + CONTEXT] for s in starts])
+    return tokens, label
+
+
+# The model of samples/train_lm.py, copied: that file is a script that trains when imported.
+class CharTransformer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.token_embedding = torch.nn.Embedding(vocab, D_MODEL)
+        self.position_embedding = torch.nn.Embedding(CONTEXT, D_MODEL)
+        layer = torch.nn.TransformerEncoderLayer(
+            D_MODEL, HEADS, dim_feedforward=4 * D_MODEL, dropout=DROPOUT,
+            activation="gelu", batch_first=True, norm_first=True,
+        )
+        self.blocks = torch.nn.TransformerEncoder(
+            layer, LAYERS, norm=torch.nn.LayerNorm(D_MODEL), enable_nested_tensor=False
+        )
+        self.head = torch.nn.Linear(D_MODEL, vocab)
+
+    def forward(self, tokens):
+        length = tokens.shape[1]
+        x = self.token_embedding(tokens) + self.position_embedding(torch.arange(length, device=tokens.device))
+        mask = torch.triu(torch.full((length, length), float("-inf"), device=tokens.device), diagonal=1)
+        return self.head(self.blocks(x, mask=mask, is_causal=True))
+
+
+def lm_loss(logits, label):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), label.reshape(-1))
+
+
+# -----------------------------------------------------------------------------
+# trainer: the only distributed setting is the ZeRO stage; world_rank / world_size default to torchrun's
+# RANK / WORLD_SIZE, and constructing the trainer joins the process group (gloo on CPU).
+model = CharTransformer()
+model_desc = {
+    "inputs": [("tokens", ["batch", "seq"]), ("label", ["batch", "seq"])],
+    "outputs": [("loss", [], True)],
+}
+no_decay = [name for name, p in model.named_parameters() if p.dim() < 2]
+optim_config = optim.AdamConfig(
+    params=[{"params": no_decay, "lambda_coef": 0.0}], lr=LR, beta=BETA2, lambda_coef=WEIGHT_DECAY, max_norm_clip=1.0
+)
+scheduler = optim.lr_scheduler.CosineWarmupLRScheduler(total_steps=STEPS, cycles=0.5, warmup=WARMUP)
+trainer = ORTTrainer(
+    model, model_desc, optim_config, loss_fn=lm_loss,
+    options={
+        "lr_scheduler": scheduler,
+        "utils": {"grad_norm_clip": True},
+        "distributed": {"deepspeed_zero_optimization": {"stage": ZERO_STAGE}},
+    },
+)
+if RANK == 0:
+    print(f"{WORLD_SIZE} ranks, ZeRO stage {ZERO_STAGE}, {sum(p.numel() for p in model.parameters()):,} parameters")
+
+# -----------------------------------------------------------------------------
+# training loop: each rank trains on its slice of the global batch
+generator = torch.Generator().manual_seed(SEED)
+losses = []
+progress = tqdm(range(1, STEPS + 1), desc="train", unit="step", disable=RANK != 0)
+for _ in progress:
+    tokens, label = (t.chunk(WORLD_SIZE)[RANK] for t in get_global_batch(generator))
+    loss = trainer.train_step(tokens, label).detach().clone()
+    # Each rank's loss is on its slice only; the mean over ranks is the global batch's loss (equal slices).
+    # One extra all-reduce of a scalar, for the log only.
+    dist.all_reduce(loss)
+    losses.append(loss.item() / WORLD_SIZE)
+    progress.set_postfix(loss=f"{losses[-1]:.3f}")
+progress.close()
+seconds = time.perf_counter() - started
+
+# -----------------------------------------------------------------------------
+# save: every rank writes its file; save_checkpoint returns on every rank only after rank 0 has written the
+# manifest (a barrier), so rank 0 may read the whole set right away. overwrite=True: reruns replace the files.
+ckpt = OUT_DIR / "lm.ortcp"
+OUT_DIR.mkdir(parents=True, exist_ok=True)
+# the vocabulary travels with the weights: whoever decodes with them needs no corpus
+trainer.save_checkpoint(ckpt, user_dict={"losses": losses, "chars": "".join(chars)}, overwrite=True)
+manifest = checkpoint.manifest_path(ckpt)
+if RANK != 0:
+    dist.destroy_process_group()
+    sys.exit(0)
+print(f"saved {sorted(p.name for p in OUT_DIR.glob('lm.*'))}")
+
+# -----------------------------------------------------------------------------
+# rank 0 only: aggregate the per-rank files into one single-process checkpoint. The result loads into a
+# trainer of any world size (load_checkpoint also takes the manifest directly and reshards on the fly), or,
+# as here, into the plain PyTorch module. The CLI runs in its own process: any machine with the files can.
+full = OUT_DIR / "lm-full.ortcp"
+command = [sys.executable, "-m", "checkpoint", "aggregate", str(manifest), "-o", str(full), "--overwrite"]
+subprocess.run(command, check=True)
+print(f"aggregated {manifest.name} -> {full.name}")
+
+weights = checkpoint.load(full, key="model/full_precision")  # {torch name: tensor}: the legacy layout's weights
+model.load_state_dict(weights, strict=True)  # strict: every parameter of the module is in the file, nothing else
+live = trainer.state_dict(pytorch_format=True)  # ZeRO shards the optimizer only: every rank holds full weights
+same = all(torch.equal(weights[name], live[name]) for name in live)
+print(f"aggregated weights equal rank 0's trained weights: {same}")
+dist.destroy_process_group()
+
+# Greedy decoding: always the most likely next character. Deterministic, if a little repetitive.
+model.eval()
+context = torch.tensor([[index_of[c] for c in PROMPT]])
+with torch.no_grad():
+    for _ in range(GENERATE_CHARS):
+        logits = model(context[:, -CONTEXT:])
+        context = torch.cat([context, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+generated = "".join(chars[i] for i in context[0].tolist())
+print("-" * 60)
+print(generated)
+print("-" * 60)
+print(
+    f"summary: world_size={WORLD_SIZE} zero_stage={ZERO_STAGE} steps={STEPS} first_loss={losses[0]:.4f} "
+    f"last_loss={losses[-1]:.4f} train_seconds={seconds:.1f} aggregated={full}"
+)
+print(f"generated: {generated!r}")

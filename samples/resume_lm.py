@@ -1,0 +1,235 @@
+"""Kill a training run mid-way, resume it from its last checkpoint, and get the same run bit for bit.
+
+    python samples/resume_lm.py                       # the full demo: under a minute on 2 CPU cores
+    python samples/resume_lm.py --steps 20 --save-every 5 --kill-at 13 --out /tmp/resume   # what the tests run
+
+The script stages a crash. It trains the character LM of samples/train_lm.py in a child process (this
+same file, `--phase train`) that saves a checkpoint every SAVE_EVERY steps, with the loss history in the
+checkpoint's user_dict. When that child reports step KILL_AT, the parent kills it with SIGKILL, as a
+preempted machine or the OOM killer would: no handler runs, nothing is flushed. A second child, started
+like the first on the same folder, finds the newest checkpoint there and trains on to STEPS. A third child
+trains STEPS steps without interruption, for reference. The parent draws both loss curves into
+OUT_DIR/resume.png and prints the largest difference between them: 0.0, because everything a step depends
+on is either in the checkpoint (weights, Adam moments and counters, the LR schedule's position) or a pure
+function of the step number (the batch, the dropout masks).
+"""
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import onnxruntime
+import torch
+from tqdm import tqdm
+
+import checkpoint
+from ort_trainer import ORTTrainer, optim
+
+plt.switch_backend("Agg")  # no display needed (CI machines have none): we only write a PNG
+
+# -----------------------------------------------------------------------------
+# settings: the model and optimizer of samples/train_lm.py; fewer steps, since three runs share the time
+SEED = 1337
+DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
+OUT_DIR = "out/resume"  # git-ignored
+CONTEXT = 64
+BATCH = 16
+D_MODEL = 64
+LAYERS = 2
+HEADS = 4
+DROPOUT = 0.1  # kept: the masks are reseeded from the step number (see the training loop)
+STEPS = 200
+LR = 1e-2
+WARMUP = 0.05
+WEIGHT_DECAY = 0.01
+BETA2 = 0.99
+SAVE_EVERY = 50  # a real job would save every so many minutes; here a few checkpoints are enough to choose from
+KILL_AT = 130  # the steps after the last checkpoint (101..130) are lost with the process and redone
+KILL_POINT = "kill point reached at step"  # what the child prints when it is ready to be killed
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
+parser.add_argument("--save-every", type=int, default=SAVE_EVERY, help=f"steps between checkpoints ({SAVE_EVERY})")
+parser.add_argument("--kill-at", type=int, default=KILL_AT, help=f"step at which the first run dies ({KILL_AT})")
+parser.add_argument("--out", default=OUT_DIR, help=f"folder for checkpoints and resume.png (default {OUT_DIR}/)")
+parser.add_argument("--phase", choices=["demo", "train"], default="demo", help="internal: 'train' is one child run")
+parser.add_argument("--ckpt-dir", help="internal: the child's checkpoint folder (it resumes from the newest file)")
+args = parser.parse_args()
+STEPS, SAVE_EVERY, KILL_AT, OUT_DIR = args.steps, args.save_every, args.kill_at, Path(args.out)
+if args.phase == "demo" and not SAVE_EVERY <= KILL_AT < STEPS:
+    parser.error(f"need --save-every <= --kill-at < --steps, got {SAVE_EVERY}, {KILL_AT}, {STEPS}")
+
+# =============================================================================
+# the demo (the parent process): crash, resume, reference, compare
+if args.phase == "demo":
+    started = time.perf_counter()
+
+    def run_child(name, ckpt_dir, kill_at=0):
+        """Run one training process; SIGKILL it when it reports step `kill_at` (0: never). Returns its exit code."""
+        command = [sys.executable, __file__, "--phase", "train", "--steps", str(STEPS), "--save-every",
+                   str(SAVE_EVERY), "--kill-at", str(kill_at), "--ckpt-dir", str(ckpt_dir)]
+        # stdin is a pipe we never write: the child blocks on it at the kill point, and if this process dies
+        # first, it sees EOF there and exits instead of waiting forever.
+        child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            for line in child.stdout:
+                print(f"[{name}] {line}", end="", flush=True)
+                if line.startswith(KILL_POINT):
+                    child.kill()  # SIGKILL on POSIX
+            return child.wait()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+    run_dir, reference_dir = OUT_DIR / "run", OUT_DIR / "reference"
+    for folder in (run_dir, reference_dir):  # a stale checkpoint from an earlier demo would be "resumed"
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("step*.ortcp"):
+            old.unlink()
+    code = run_child("crash run", run_dir, kill_at=KILL_AT)
+    if code != -signal.SIGKILL:
+        sys.exit(f"the first run should have died of SIGKILL (exit code {-signal.SIGKILL}), got {code}")
+    print(f"first run killed at step {KILL_AT}; checkpoints on disk: {sorted(p.name for p in run_dir.glob('*.ortcp'))}")
+    for name, folder in (("resumed run", run_dir), ("reference run", reference_dir)):
+        code = run_child(name, folder)
+        if code != 0:
+            sys.exit(f"the {name} failed with exit code {code}")
+
+    # The final checkpoints hold everything to compare: the loss history (user_dict) and the weights.
+    # Reading them needs no trainer: checkpoint.load reads any subtree of the HDF5 file.
+    final = f"step{STEPS:05d}.ortcp"
+    resumed = checkpoint.decode_user_dict(checkpoint.load(run_dir / final, key="user_dict"))
+    reference = checkpoint.decode_user_dict(checkpoint.load(reference_dir / final, key="user_dict"))
+    resumed_from = resumed["resumed_from"]
+    loss_diff = max(abs(a - b) for a, b in zip(resumed["losses"], reference["losses"], strict=True))
+    weights_a = checkpoint.load(run_dir / final, key="model/full_precision")
+    weights_b = checkpoint.load(reference_dir / final, key="model/full_precision")
+    weight_diff = max(float((weights_a[name] - weights_b[name]).abs().max()) for name in weights_b)
+
+    png = OUT_DIR / "resume.png"
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    steps = range(1, STEPS + 1)
+    ax.plot(steps, reference["losses"], color="lightgrey", linewidth=5, label="uninterrupted run")
+    ax.plot(steps[:resumed_from], resumed["losses"][:resumed_from], color="tab:blue", linewidth=1,
+            label=f"first run (history from the step-{resumed_from} checkpoint)")
+    ax.plot(steps[resumed_from:], resumed["losses"][resumed_from:], color="tab:orange", linewidth=1,
+            label=f"resumed run, steps {resumed_from + 1}-{STEPS}")
+    ax.axvspan(resumed_from, KILL_AT, color="tab:red", alpha=0.12,
+               label=f"trained, then lost to SIGKILL at step {KILL_AT} (redone)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("train loss (nats / character)")
+    ax.set_title(f"Resumed from a checkpoint: max |loss difference| = {loss_diff:g}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+    print(f"max abs difference, resumed vs uninterrupted: losses {loss_diff!r}, final weights {weight_diff!r}")
+    print(f"summary: steps={STEPS} killed_at={KILL_AT} resumed_from={resumed_from} loss_diff={loss_diff!r} "
+          f"weight_diff={weight_diff!r} seconds={time.perf_counter() - started:.1f} png={png}")
+    sys.exit(0)
+
+# =============================================================================
+# one training run (a child process): resume from the newest checkpoint in --ckpt-dir if there is one
+CKPT_DIR = Path(args.ckpt_dir)
+torch.manual_seed(SEED)
+
+text = DATA.read_text(encoding="ascii")
+chars = sorted(set(text))
+vocab = len(chars)
+index_of = {c: i for i, c in enumerate(chars)}
+data = torch.tensor([index_of[c] for c in text], dtype=torch.long)
+train_data = data[: int(len(data) * 0.9)]  # the same split as train_lm.py (the tail is never trained on)
+
+
+def get_batch(step):
+    """The batch of a step is a function of the step alone, so a resumed run needs no data-loader state.
+    (With one generator for the whole run, its state would have to go into the checkpoint too.)"""
+    generator = torch.Generator().manual_seed(SEED * 100_000 + step)
+    starts = torch.randint(len(train_data) - CONTEXT - 1, (BATCH,), generator=generator)
+    tokens = torch.stack([train_data[s : s + CONTEXT] for s in starts])
+    label = torch.stack([train_data[s + 1 : s + 1 + CONTEXT] for s in starts])
+    return tokens, label
+
+
+# The model of samples/train_lm.py, copied: that file is a script that trains when imported.
+class CharTransformer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.token_embedding = torch.nn.Embedding(vocab, D_MODEL)
+        self.position_embedding = torch.nn.Embedding(CONTEXT, D_MODEL)
+        layer = torch.nn.TransformerEncoderLayer(
+            D_MODEL, HEADS, dim_feedforward=4 * D_MODEL, dropout=DROPOUT,
+            activation="gelu", batch_first=True, norm_first=True,
+        )
+        self.blocks = torch.nn.TransformerEncoder(
+            layer, LAYERS, norm=torch.nn.LayerNorm(D_MODEL), enable_nested_tensor=False
+        )
+        self.head = torch.nn.Linear(D_MODEL, vocab)
+
+    def forward(self, tokens):
+        length = tokens.shape[1]
+        x = self.token_embedding(tokens) + self.position_embedding(torch.arange(length, device=tokens.device))
+        mask = torch.triu(torch.full((length, length), float("-inf"), device=tokens.device), diagonal=1)
+        return self.head(self.blocks(x, mask=mask, is_causal=True))
+
+
+def lm_loss(logits, label):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), label.reshape(-1))
+
+
+model = CharTransformer()
+model_desc = {
+    "inputs": [("tokens", ["batch", "seq"]), ("label", ["batch", "seq"])],
+    "outputs": [("loss", [], True)],
+}
+no_decay = [name for name, p in model.named_parameters() if p.dim() < 2]
+optim_config = optim.AdamConfig(
+    params=[{"params": no_decay, "lambda_coef": 0.0}], lr=LR, beta=BETA2, lambda_coef=WEIGHT_DECAY, max_norm_clip=1.0
+)
+# The scheduler's position is in the checkpoint (lr_scheduler/...), so the resumed run continues the cosine
+# where the first run left it instead of warming up again.
+scheduler = optim.lr_scheduler.CosineWarmupLRScheduler(total_steps=STEPS, cycles=0.5, warmup=WARMUP)
+# deterministic_compute asks ONNX Runtime for kernels whose results do not depend on thread scheduling.
+# Without it this demo happened to resume exactly too on a 2-core machine, but nothing guarantees that.
+trainer = ORTTrainer(
+    model, model_desc, optim_config, loss_fn=lm_loss,
+    options={"lr_scheduler": scheduler, "utils": {"grad_norm_clip": True}, "debug": {"deterministic_compute": True}},
+)
+
+CKPT_DIR.mkdir(parents=True, exist_ok=True)
+saved = sorted(CKPT_DIR.glob("step*.ortcp"))  # zero-padded step numbers: name order is step order
+losses, resumed_from = [], 0
+if saved:
+    # load_checkpoint verifies every checksum before it touches the trainer. A run killed while saving leaves
+    # a hidden temporary file (never a half-written step*.ortcp), which the glob above does not match.
+    user_dict = trainer.load_checkpoint(saved[-1])
+    losses, resumed_from = list(user_dict["losses"]), user_dict["step"]
+    # Before the first step the loaded state waits for the graphs to be built, so trainer.train_step_info
+    # still says step 0 here: the loop starts from the step recorded in user_dict.
+    print(f"resuming from {saved[-1].name} (step {resumed_from})", flush=True)
+
+progress = tqdm(range(resumed_from + 1, STEPS + 1), desc="train", unit="step", initial=resumed_from, total=STEPS)
+for step in progress:
+    # Dropout masks come from ONNX Runtime's global random generator, which no checkpoint holds; reseeding it
+    # from the step number makes every step's masks the same in a fresh process as in an uninterrupted one.
+    onnxruntime.set_seed(SEED * 100_000 + step)
+    loss = trainer.train_step(*get_batch(step)).item()
+    losses.append(loss)
+    progress.set_postfix(loss=f"{loss:.3f}")
+    if step % SAVE_EVERY == 0 or step == STEPS:
+        user_dict = {"losses": losses, "step": step, "resumed_from": resumed_from}
+        trainer.save_checkpoint(CKPT_DIR / f"step{step:05d}.ortcp", user_dict=user_dict)
+    if step == KILL_AT:
+        progress.close()
+        print(f"{KILL_POINT} {step}", flush=True)
+        sys.stdin.readline()  # wait here for the parent's SIGKILL; EOF means the parent is gone
+        sys.exit("the parent went away before killing this run")
+progress.close()
+print(f"done: step {trainer.train_step_info.step}, last loss {losses[-1]:.4f}", flush=True)
