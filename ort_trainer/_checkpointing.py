@@ -46,30 +46,58 @@ def save_trainer_checkpoint(
     if ctx is None:
         checkpoint.save(state, path, overwrite=overwrite)
         return
+    _save_rank_set(trainer, ctx, state, path, overwrite)
+
+
+def _save_rank_set(trainer: ORTTrainer, ctx, state: dict, path, overwrite: bool) -> None:
+    """Agree on the target first, write every rank's file, then rank 0 writes the manifest.
+
+    Every rank takes part in every collective whatever happens, and every rank raises the same
+    kind of error, so no rank is left waiting in a barrier.
+    """
+    _agree_on_target(ctx, path, overwrite)
     run_id = ctx.shared_run_id()
     state[K.DISTRIBUTED_KEY] = {K.RUN_ID_KEY: run_id}
     rank_paths = [checkpoint.rank_checkpoint_path(path, r, ctx.world_size) for r in range(ctx.world_size)]
     failure = None
     try:
         checkpoint.save(state, rank_paths[ctx.rank], overwrite=overwrite)
-    except Exception as error:  # every rank must still reach the collective below
+    except Exception as error:  # every rank must still reach the collectives below
         failure = error
     saved = ctx.sum_scalar(0.0 if failure else 1.0) == ctx.world_size
     if saved and ctx.rank == 0:
-        step = trainer._train_step_info.step
-        checkpoint.write_manifest(
-            checkpoint.manifest_path(path),
-            rank_paths,
-            world_size=ctx.world_size,
-            step=step,
-            run_id=run_id,
-            overwrite=overwrite,
-        )
-    ctx.barrier()
+        try:
+            checkpoint.write_manifest(
+                checkpoint.manifest_path(path),
+                rank_paths,
+                world_size=ctx.world_size,
+                step=trainer._train_step_info.step,
+                run_id=run_id,
+                overwrite=overwrite,
+            )
+        except Exception as error:
+            failure = error
+    manifest_ok = ctx.sum_scalar(1.0 if saved and (ctx.rank != 0 or failure is None) else 0.0) == ctx.world_size
     if failure is not None:
         raise failure
     if not saved:
         raise RuntimeError(f"another rank failed to write its file of {path}; no manifest was written")
+    if not manifest_ok:
+        raise RuntimeError(f"rank 0 failed to write the manifest of {path}; see rank 0's error")
+
+
+def _agree_on_target(ctx, path, overwrite: bool) -> None:
+    """All ranks must save to the same path (files get rank suffixes), and an old set is not overwritten."""
+    paths = ctx.all_gather_objects(os.fspath(path))
+    if len(set(paths)) > 1:
+        listed = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise ValueError(
+            f"save_checkpoint on {ctx.world_size} ranks needs the same path on every rank ({listed}); each rank "
+            "writes <stem>.rank<r>-of-<W><suffix> next to it and rank 0 writes <path>.manifest.json"
+        )
+    manifest = checkpoint.manifest_path(path)
+    if not overwrite and ctx.all_gather_objects(manifest.exists())[0]:
+        raise checkpoint.CheckpointExistsError(f"{manifest} already exists; pass overwrite=True to replace the set")
 
 
 def load_trainer_checkpoint(
@@ -121,7 +149,7 @@ def _decode(tree: Any, allow_pickle: bool, source: Any) -> dict[str, Any]:
 def _user_dict(reader: checkpoint.CheckpointReader, allow_pickle: bool) -> dict[str, Any]:
     if K.USER_DICT_KEY not in reader.keys():
         return {}
-    return checkpoint.decode_user_dict(reader.read(K.USER_DICT_KEY), allow_pickle=allow_pickle)
+    return checkpoint.decode_user_dict(reader.read(K.USER_DICT_KEY), allow_pickle=allow_pickle, source=str(reader.path))
 
 
 def _load_into_engine(trainer: ORTTrainer, reader: checkpoint.CheckpointReader, strict: bool) -> None:

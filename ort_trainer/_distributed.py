@@ -58,6 +58,12 @@ class DistributedContext:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t.item())
 
+    def all_gather_objects(self, value) -> list:
+        """``value`` from every rank, in rank order (small picklable values only: paths, flags)."""
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     def barrier(self) -> None:
         dist.barrier()
 

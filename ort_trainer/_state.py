@@ -125,6 +125,7 @@ def load_trainer_state_dict(trainer: ORTTrainer, state: Mapping, strict: bool = 
         raise TypeError(f"state_dict must be a Mapping, got {type(state).__name__}")
     if trainer._engine is None:
         _validate_shallow(state)
+        _validate_against_initial(trainer, state)
         trainer._pending_state = (_clone_tree(state), strict)
         return
     plan = _validate(trainer, _normalise(trainer, state, strict), strict)
@@ -155,6 +156,21 @@ def _validate_shallow(state: Mapping) -> None:
     model = state.get(K.MODEL_KEY)
     if model is not None and not isinstance(model, Mapping):
         raise TypeError(f"state_dict[{K.MODEL_KEY}] must be a Mapping, got {type(model).__name__}")
+
+
+def _validate_against_initial(trainer: ORTTrainer, state: Mapping) -> None:
+    """Before the graphs exist, shapes can still be checked against the module's own tensors."""
+    known = _model_tensors(trainer)
+    weights = _model_part(state) if K.MODEL_KEY in state else state
+    if not isinstance(weights, Mapping):
+        return
+    for name, value in weights.items():
+        target = known.get(name)
+        if target is not None and hasattr(value, "shape") and tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"shape mismatch for state_dict[model][full_precision][{name}]: "
+                f"checkpoint has {tuple(value.shape)}, model has {tuple(target.shape)}"
+            )
 
 
 def _validate(trainer: ORTTrainer, state: Mapping, strict: bool) -> dict[str, Any]:

@@ -194,14 +194,19 @@ class ORTTrainer:
         return [t.to(self._device.torch_device) if t.device != self._device.torch_device else t for t in inputs]
 
     def _ensure_built(self, inputs: Sequence[torch.Tensor]) -> Engine:
-        if self._engine is None:
-            self._engine = build_engine(self._build_request(), inputs)
+        if self._engine is not None:
+            return self._engine
+        self._engine = build_engine(self._build_request(), inputs)
+        try:
             if self.options.debug.check_model_export:
                 _state.check_model_export(self, inputs)
             if self._pending_state is not None:
                 pending, strict = self._pending_state
-                self._pending_state = None
                 _state.load_trainer_state_dict(self, pending, strict=strict)
+                self._pending_state = None
+        except BaseException:
+            self._engine = None  # stay unbuilt with the pending state kept: never train from the wrong weights
+            raise
         return self._engine
 
     def _update(self, engine: Engine, lr: float, accumulation: int, scaler=None) -> bool:

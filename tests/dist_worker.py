@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--stop", type=int, default=8)
     parser.add_argument("--load", nargs="*")
     parser.add_argument("--save")
+    parser.add_argument("--per-rank-path", action="store_true", help="legacy habit: a different path per rank")
+    parser.add_argument("--expect-save-error", help="the save must fail on this rank with this text")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -51,7 +53,15 @@ def main() -> None:
     for batch in mlp_batches(args.stop, batch=12)[args.start :]:
         losses.append(trainer.train_step(*shard(batch, rank, world)).item())
     if args.save:
-        trainer.save_checkpoint(args.save)
+        target = f"{args.save}{rank}" if args.per_rank_path else args.save
+        try:
+            trainer.save_checkpoint(target)
+        except Exception as error:
+            if not args.expect_save_error or args.expect_save_error not in str(error):
+                raise
+        else:
+            if args.expect_save_error:
+                raise SystemExit(f"rank {rank}: save did not fail")
     state = {
         "weights": trainer.state_dict(pytorch_format=True),
         "losses": torch.tensor(losses),

@@ -178,3 +178,21 @@ def test_missing_rendezvous_environment_is_a_clear_error(monkeypatch):
             loss_fn=torch.nn.functional.cross_entropy,
             options={"distributed": {"world_size": 2, "world_rank": 0}},
         )
+
+
+def test_bad_distributed_saves_fail_on_every_rank_without_hanging(tmp_path):
+    path = tmp_path / "ck.ortcp"
+    launch(
+        2,
+        tmp_path / "a",
+        "--stop",
+        2,
+        "--save",
+        path,
+        "--per-rank-path",
+        "--expect-save-error",
+        "needs the same path on every rank",
+    )
+    assert not list(tmp_path.glob("ck*"))  # refused before anything was written
+    launch(2, tmp_path / "b", "--stop", 2, "--save", path)
+    launch(2, tmp_path / "c", "--stop", 2, "--save", path, "--expect-save-error", "already exists")

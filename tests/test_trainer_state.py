@@ -237,3 +237,26 @@ def test_legacy_checkpoint_loads_into_equivalent_trainer():
             value = value[part]
         np.testing.assert_array_equal(np.asarray(value), expected[key], err_msg=key)
     assert state["train_step_info"] == {"optimization_step": 8, "step": 8}
+
+
+def test_a_wrong_checkpoint_before_the_first_step_is_refused_and_never_silently_dropped():
+    class Narrow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(20, 8)
+            self.fc2 = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    wide = _trainer()
+    trainer = _trainer(model=Narrow())
+    with pytest.raises(ValueError, match=r"shape mismatch for state_dict\[model\]\[full_precision\]\[fc1.weight\]"):
+        trainer.load_state_dict(wide.state_dict())
+    assert trainer._pending_state is None
+    # a pending state that only fails when the graphs are built keeps failing instead of being dropped
+    trainer.load_state_dict({"model": {"full_precision": {"fc1.weight": torch.zeros(8, 20)}}})
+    for _ in range(2):
+        with pytest.raises(KeyError, match=r"missing keys in state_dict\[model\]\[full_precision\]: \['fc1.bias'"):
+            trainer.train_step(*mlp_batches(1)[0])
+    assert not trainer.is_built and trainer.train_step_info.step == 0
