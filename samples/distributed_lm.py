@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from model import CharTransformer, generate, get_batch, lm_loss, load_corpus
 from tqdm import tqdm
 
 import checkpoint
@@ -65,52 +66,14 @@ started = time.perf_counter()
 
 # -----------------------------------------------------------------------------
 # data: the same split as train_lm.py (the last 10% of the corpus is never trained on)
-text = DATA.read_text(encoding="ascii")
-chars = sorted(set(text))
-vocab = len(chars)
-index_of = {c: i for i, c in enumerate(chars)}
-data = torch.tensor([index_of[c] for c in text], dtype=torch.long)
+chars, data = load_corpus(DATA)
 train_data = data[: int(len(data) * 0.9)]
-
-
-def get_global_batch(generator):
-    """BATCH random windows; every rank seeds the generator alike, so all draw the same global batch."""
-    starts = torch.randint(len(train_data) - CONTEXT - 1, (BATCH,), generator=generator)
-    tokens = torch.stack([train_data[s : s + CONTEXT] for s in starts])
-    label = torch.stack([train_data[s + 1 : s + 1 + CONTEXT] for s in starts])
-    return tokens, label
-
-
-# The model of samples/train_lm.py, copied: that file is a script that trains when imported.
-class CharTransformer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.token_embedding = torch.nn.Embedding(vocab, D_MODEL)
-        self.position_embedding = torch.nn.Embedding(CONTEXT, D_MODEL)
-        layer = torch.nn.TransformerEncoderLayer(
-            D_MODEL, HEADS, dim_feedforward=4 * D_MODEL, dropout=DROPOUT,
-            activation="gelu", batch_first=True, norm_first=True,
-        )
-        self.blocks = torch.nn.TransformerEncoder(
-            layer, LAYERS, norm=torch.nn.LayerNorm(D_MODEL), enable_nested_tensor=False
-        )
-        self.head = torch.nn.Linear(D_MODEL, vocab)
-
-    def forward(self, tokens):
-        length = tokens.shape[1]
-        x = self.token_embedding(tokens) + self.position_embedding(torch.arange(length, device=tokens.device))
-        mask = torch.triu(torch.full((length, length), float("-inf"), device=tokens.device), diagonal=1)
-        return self.head(self.blocks(x, mask=mask, is_causal=True))
-
-
-def lm_loss(logits, label):
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), label.reshape(-1))
 
 
 # -----------------------------------------------------------------------------
 # trainer: the only distributed setting is the ZeRO stage; world_rank / world_size default to torchrun's
 # RANK / WORLD_SIZE, and constructing the trainer joins the process group (gloo on CPU).
-model = CharTransformer()
+model = CharTransformer(len(chars), CONTEXT, D_MODEL, HEADS, LAYERS, DROPOUT)
 model_desc = {
     "inputs": [("tokens", ["batch", "seq"]), ("label", ["batch", "seq"])],
     "outputs": [("loss", [], True)],
@@ -133,11 +96,11 @@ if RANK == 0:
 
 # -----------------------------------------------------------------------------
 # training loop: each rank trains on its slice of the global batch
-generator = torch.Generator().manual_seed(SEED)
+generator = torch.Generator().manual_seed(SEED)  # seeded alike on every rank: all draw the same global batch
 losses = []
 progress = tqdm(range(1, STEPS + 1), desc="train", unit="step", disable=RANK != 0)
 for _ in progress:
-    tokens, label = (t.chunk(WORLD_SIZE)[RANK] for t in get_global_batch(generator))
+    tokens, label = (t.chunk(WORLD_SIZE)[RANK] for t in get_batch(train_data, CONTEXT, BATCH, generator))
     loss = trainer.train_step(tokens, label).detach().clone()
     # Each rank's loss is on its slice only; the mean over ranks is the global batch's loss (equal slices).
     # One extra all-reduce of a scalar, for the log only.
@@ -178,12 +141,7 @@ dist.destroy_process_group()
 
 # Greedy decoding: always the most likely next character. Deterministic, if a little repetitive.
 model.eval()
-context = torch.tensor([[index_of[c] for c in PROMPT]])
-with torch.no_grad():
-    for _ in range(GENERATE_CHARS):
-        logits = model(context[:, -CONTEXT:])
-        context = torch.cat([context, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-generated = "".join(chars[i] for i in context[0].tolist())
+generated = "".join(chars[i] for i in generate(model, [chars.index(c) for c in PROMPT], GENERATE_CHARS, CONTEXT))
 print("-" * 60)
 print(generated)
 print("-" * 60)

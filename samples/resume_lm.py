@@ -24,6 +24,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import onnxruntime
 import torch
+from model import CharTransformer, get_batch, lm_loss, load_corpus
 from tqdm import tqdm
 
 import checkpoint
@@ -140,51 +141,18 @@ if args.phase == "demo":
 CKPT_DIR = Path(args.ckpt_dir)
 torch.manual_seed(SEED)
 
-text = DATA.read_text(encoding="ascii")
-chars = sorted(set(text))
-vocab = len(chars)
-index_of = {c: i for i, c in enumerate(chars)}
-data = torch.tensor([index_of[c] for c in text], dtype=torch.long)
+chars, data = load_corpus(DATA)
 train_data = data[: int(len(data) * 0.9)]  # the same split as train_lm.py (the tail is never trained on)
 
 
-def get_batch(step):
+def batch_of_step(step):
     """The batch of a step is a function of the step alone, so a resumed run needs no data-loader state.
     (With one generator for the whole run, its state would have to go into the checkpoint too.)"""
-    generator = torch.Generator().manual_seed(SEED * 100_000 + step)
-    starts = torch.randint(len(train_data) - CONTEXT - 1, (BATCH,), generator=generator)
-    tokens = torch.stack([train_data[s : s + CONTEXT] for s in starts])
-    label = torch.stack([train_data[s + 1 : s + 1 + CONTEXT] for s in starts])
-    return tokens, label
+    return get_batch(train_data, CONTEXT, BATCH, torch.Generator().manual_seed(SEED * 100_000 + step))
 
 
-# The model of samples/train_lm.py, copied: that file is a script that trains when imported.
-class CharTransformer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.token_embedding = torch.nn.Embedding(vocab, D_MODEL)
-        self.position_embedding = torch.nn.Embedding(CONTEXT, D_MODEL)
-        layer = torch.nn.TransformerEncoderLayer(
-            D_MODEL, HEADS, dim_feedforward=4 * D_MODEL, dropout=DROPOUT,
-            activation="gelu", batch_first=True, norm_first=True,
-        )
-        self.blocks = torch.nn.TransformerEncoder(
-            layer, LAYERS, norm=torch.nn.LayerNorm(D_MODEL), enable_nested_tensor=False
-        )
-        self.head = torch.nn.Linear(D_MODEL, vocab)
-
-    def forward(self, tokens):
-        length = tokens.shape[1]
-        x = self.token_embedding(tokens) + self.position_embedding(torch.arange(length, device=tokens.device))
-        mask = torch.triu(torch.full((length, length), float("-inf"), device=tokens.device), diagonal=1)
-        return self.head(self.blocks(x, mask=mask, is_causal=True))
-
-
-def lm_loss(logits, label):
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), label.reshape(-1))
-
-
-model = CharTransformer()
+# The model of samples/train_lm.py (samples/model.py)
+model = CharTransformer(len(chars), CONTEXT, D_MODEL, HEADS, LAYERS, DROPOUT)
 model_desc = {
     "inputs": [("tokens", ["batch", "seq"]), ("label", ["batch", "seq"])],
     "outputs": [("loss", [], True)],
@@ -220,7 +188,7 @@ for step in progress:
     # Dropout masks come from ONNX Runtime's global random generator, which no checkpoint holds; reseeding it
     # from the step number makes every step's masks the same in a fresh process as in an uninterrupted one.
     onnxruntime.set_seed(SEED * 100_000 + step)
-    loss = trainer.train_step(*get_batch(step)).item()
+    loss = trainer.train_step(*batch_of_step(step)).item()
     losses.append(loss)
     progress.set_postfix(loss=f"{loss:.3f}")
     if step % SAVE_EVERY == 0 or step == STEPS:

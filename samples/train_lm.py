@@ -16,6 +16,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from model import CharTransformer, generate, get_batch, lm_loss, load_corpus
 from tqdm import tqdm
 
 from ort_trainer import ORTTrainer, optim
@@ -56,61 +57,22 @@ started = time.perf_counter()
 
 # -----------------------------------------------------------------------------
 # data: a character vocabulary is tiny (81 symbols here) and needs no tokenizer
-text = DATA.read_text(encoding="ascii")
-chars = sorted(set(text))
+chars, data = load_corpus(DATA)
 vocab = len(chars)
-index_of = {c: i for i, c in enumerate(chars)}
-data = torch.tensor([index_of[c] for c in text], dtype=torch.long)
 split = int(len(data) * (1 - EVAL_FRACTION))
 train_data, eval_data = data[:split], data[split:]
 
 
-def get_batch(source, generator):
-    """BATCH random windows of CONTEXT characters; the label is the same window shifted by one."""
-    starts = torch.randint(len(source) - CONTEXT - 1, (BATCH,), generator=generator)
-    tokens = torch.stack([source[s : s + CONTEXT] for s in starts])
-    label = torch.stack([source[s + 1 : s + 1 + CONTEXT] for s in starts])
-    return tokens, label
-
-
 train_rng = torch.Generator().manual_seed(SEED)
-eval_batches = [get_batch(eval_data, torch.Generator().manual_seed(SEED + i)) for i in range(EVAL_BATCHES)]
+eval_batches = [
+    get_batch(eval_data, CONTEXT, BATCH, torch.Generator().manual_seed(SEED + i)) for i in range(EVAL_BATCHES)
+]
 
 
 # -----------------------------------------------------------------------------
-# model: a pre-norm transformer decoder built from nn.TransformerEncoder + a causal mask
-class CharTransformer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.token_embedding = torch.nn.Embedding(vocab, D_MODEL)
-        self.position_embedding = torch.nn.Embedding(CONTEXT, D_MODEL)
-        layer = torch.nn.TransformerEncoderLayer(
-            D_MODEL, HEADS, dim_feedforward=4 * D_MODEL, dropout=DROPOUT,
-            activation="gelu", batch_first=True, norm_first=True,
-        )
-        # enable_nested_tensor=False: the nested-tensor fast path is inference-only and not exportable;
-        # with norm_first torch turns it off anyway, but warns unless we say so.
-        self.blocks = torch.nn.TransformerEncoder(
-            layer, LAYERS, norm=torch.nn.LayerNorm(D_MODEL), enable_nested_tensor=False
-        )
-        self.head = torch.nn.Linear(D_MODEL, vocab)
-
-    def forward(self, tokens):
-        length = tokens.shape[1]
-        positions = torch.arange(length, device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        # -inf above the diagonal: position t attends to positions <= t only. Built from the input's
-        # length rather than stored, so the same module also generates from prompts shorter than CONTEXT.
-        mask = torch.triu(torch.full((length, length), float("-inf"), device=tokens.device), diagonal=1)
-        return self.head(self.blocks(x, mask=mask, is_causal=True))
-
-
-def lm_loss(logits, label):
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), label.reshape(-1))
-
-
-model = CharTransformer()
-print(f"corpus: {len(text):,} chars, vocab {vocab}, {sum(p.numel() for p in model.parameters()):,} parameters")
+# model: a pre-norm transformer decoder (samples/model.py, shared with the other samples)
+model = CharTransformer(vocab, CONTEXT, D_MODEL, HEADS, LAYERS, DROPOUT)
+print(f"corpus: {len(data):,} chars, vocab {vocab}, {sum(p.numel() for p in model.parameters()):,} parameters")
 
 # -----------------------------------------------------------------------------
 # trainer. String dims are declared dynamic, but keep "seq" at CONTEXT: the TorchScript exporter bakes
@@ -142,7 +104,7 @@ eval_steps, eval_losses = [0], [evaluate()]
 train_losses = []
 progress = tqdm(range(1, STEPS + 1), desc="train", unit="step")
 for step in progress:
-    loss = trainer.train_step(*get_batch(train_data, train_rng)).item()  # loss before this step's update
+    loss = trainer.train_step(*get_batch(train_data, CONTEXT, BATCH, train_rng)).item()  # loss before the update
     train_losses.append(loss)
     progress.set_postfix(loss=f"{loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}", eval=f"{eval_losses[-1]:.3f}")
     if step % EVAL_EVERY == 0 or step == STEPS:
@@ -180,13 +142,9 @@ with torch.no_grad():
 print(f"held-out batch loss: ONNX Runtime {trainer.eval_step(tokens, label).item():.4f}, PyTorch {torch_loss:.4f}")
 
 # Greedy decoding: always the most likely next character. Deterministic, if a little repetitive.
-context = torch.tensor([[index_of[c] for c in PROMPT]])
-with torch.no_grad():
-    for _ in range(GENERATE_CHARS):
-        logits = model(context[:, -CONTEXT:])
-        context = torch.cat([context, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+generated = generate(model, [chars.index(c) for c in PROMPT], GENERATE_CHARS, CONTEXT)
 print("-" * 60)
-print("".join(chars[i] for i in context[0].tolist()))
+print("".join(chars[i] for i in generated))
 print("-" * 60)
 
 print(
