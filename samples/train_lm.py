@@ -41,6 +41,7 @@ WARMUP = 0.05  # fraction of STEPS; a short warmup keeps the first Adam steps fr
 WEIGHT_DECAY = 0.01
 BETA2 = 0.99  # Adam's second-moment decay; nanoGPT's choice for small models with few tokens per step
 EVAL_EVERY = 50
+CHECKPOINT_EVERY = 100  # OUT_DIR/ckpt.ortcp is replaced atomically: a crash leaves the previous one whole
 EVAL_BATCHES = 4  # fixed held-out batches, so the eval curve moves only when the model does
 GENERATE_CHARS = 200
 PROMPT = "This License "
@@ -48,9 +49,11 @@ PROMPT = "This License "
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
 parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help=f"steps between evals (default {EVAL_EVERY})")
+parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, help="steps between checkpoints")
 parser.add_argument("--out", default=OUT_DIR, help=f"folder for loss.png (default {OUT_DIR}/)")
 args = parser.parse_args()
 STEPS, EVAL_EVERY, OUT_DIR = args.steps, args.eval_every, Path(args.out)
+CHECKPOINT_EVERY = args.checkpoint_every
 
 torch.manual_seed(SEED)
 started = time.perf_counter()
@@ -110,6 +113,10 @@ for step in progress:
     if step % EVAL_EVERY == 0 or step == STEPS:
         eval_steps.append(step)
         eval_losses.append(evaluate())
+    if step % CHECKPOINT_EVERY == 0 or step == STEPS:
+        # weights, Adam moments, step counters and the LR schedule; user_dict holds what we need to plot
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(OUT_DIR / "ckpt.ortcp", user_dict={"train_losses": train_losses}, overwrite=True)
 progress.close()
 seconds = time.perf_counter() - started
 
@@ -149,5 +156,5 @@ print("-" * 60)
 
 print(
     f"summary: steps={STEPS} first_train_loss={train_losses[0]:.4f} last_train_loss={train_losses[-1]:.4f} "
-    f"eval_loss={eval_losses[-1]:.4f} seconds={seconds:.1f} png={png}"
+    f"eval_loss={eval_losses[-1]:.4f} seconds={seconds:.1f} png={png} checkpoint={OUT_DIR / 'ckpt.ortcp'}"
 )

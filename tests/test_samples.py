@@ -30,7 +30,16 @@ def _number(pattern: str, text: str) -> float:
 
 def test_train_lm_sample_learns_and_writes_the_loss_curve(tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, str(ROOT / "samples" / "train_lm.py"), "--steps", "30", "--eval-every", "10"]
+    command = [
+        sys.executable,
+        str(ROOT / "samples" / "train_lm.py"),
+        "--steps",
+        "30",
+        "--eval-every",
+        "10",
+        "--checkpoint-every",
+        "20",
+    ]
     result = subprocess.run(
         [*command, "--out", str(out)],
         cwd=tmp_path,  # the sample must not depend on the working directory
@@ -44,6 +53,10 @@ def test_train_lm_sample_learns_and_writes_the_loss_curve(tmp_path):
     assert png.read_bytes()[:8] == PNG_MAGIC, f"{png} is not a PNG"
     summary = next((line for line in result.stdout.splitlines() if line.startswith("summary:")), "")
     assert f"png={png}" in summary, summary
+    # the checkpoint written during training (at step 20, then replaced at the end) holds the whole run
+    saved = checkpoint.load(out / "ckpt.ortcp")
+    assert saved["train_step_info"]["step"] == 30, saved["train_step_info"]
+    assert len(checkpoint.decode_user_dict(saved["user_dict"])["train_losses"]) == 30
     assert "steps=30 " in summary, summary
     first = _number(r"first_train_loss=([\d.]+)", summary)
     last = _number(r"last_train_loss=([\d.]+)", summary)
