@@ -18,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 from h5py import h5d, h5g
 
 from . import _h5_lowlevel as ll
 from . import _schema as S
 from ._codec import encode_leaf, escape_key
-from ._h5_index import Node, tree_digest
-from ._h5_writer import _fsync, _publish, _raw_ranges, _write_leaf, library_version
-from ._header import userblock_size, write_header
+from ._h5_index import Node
+from ._h5_writer import _publish, _write_leaf, write_checkpoint_file
 from .errors import CheckpointExistsError
 
 __all__ = ["save_stream"]
@@ -80,19 +78,7 @@ def _write_items(f: h5py.File, items: Iterable[tuple[Key, Any]]) -> tuple[Node, 
 
 
 def _write_file(tmp: Path, items: Iterable[tuple[Key, Any]], max_leaves: int) -> None:
-    ub_size = userblock_size(max_leaves)
-    with h5py.File(tmp, "w-", userblock_size=ub_size) as f:
-        root, datasets = _write_items(f, items)
-        root_attrs = {
-            S.ATTR_FORMAT: S.FORMAT_NAME,
-            S.ATTR_FORMAT_VERSION: S.FORMAT_VERSION,
-            S.ATTR_LIBRARY_VERSION: library_version(),
-        }
-        f.attrs.update(root_attrs)
-        f.attrs[S.ATTR_TREE_CRC32] = np.uint32(tree_digest(root, root_attrs))
-        ranges = _raw_ranges(datasets)
-    write_header(tmp, ub_size, ranges)
-    _fsync(tmp, os.O_RDONLY)
+    write_checkpoint_file(tmp, max_leaves, lambda f: _write_items(f, items))
 
 
 def save_stream(

@@ -14,7 +14,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -135,9 +135,16 @@ def _write_tree(f: h5py.File, entries: list[Entry]) -> tuple[Node, list[h5d.Data
 
 
 def _write_file(tmp: Path, entries: list[Entry]) -> None:
-    ub_size = userblock_size(sum(leaf is not None for _, _, leaf in entries))
+    leaves = sum(leaf is not None for _, _, leaf in entries)
+    write_checkpoint_file(tmp, leaves, lambda f: _write_tree(f, entries))
+
+
+def write_checkpoint_file(tmp: Path, max_leaves: int, write_body: Callable[[h5py.File], tuple]) -> None:
+    """Create ``tmp``: ``write_body(f) -> (root, datasets)`` fills it; then root attributes, the structure
+    digest, the user-block header and an fsync. Shared by `save` and the streaming writer."""
+    ub_size = userblock_size(max_leaves)
     with h5py.File(tmp, "w-", userblock_size=ub_size) as f:
-        root, datasets = _write_tree(f, entries)
+        root, datasets = write_body(f)
         root_attrs = {
             S.ATTR_FORMAT: S.FORMAT_NAME,
             S.ATTR_FORMAT_VERSION: S.FORMAT_VERSION,
