@@ -26,6 +26,7 @@ from ort_trainer import ORTTrainer, optim
 from ort_trainer._export import export_torch_model
 from ort_trainer._graph_passes import add_optional_outputs
 from ort_trainer._native_logs import quiet_native_info_logs
+from ort_trainer.graph import apply_forward_rewrites, pin_broadcast_dims
 from ort_trainer.model_desc import validate_model_desc
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
@@ -143,38 +144,15 @@ def session_options(
 
 
 # ------------------------------------------------------------------------------------------ rewrites
-def library_applies_rewrites() -> bool:
-    """True once `_build.py` calls `_graph_rewrites.apply_rewrites` itself (the proposed hook)."""
-    return hasattr(_build, "apply_rewrites")
-
-
 @contextlib.contextmanager
 def graph_rewrites(enabled: bool) -> Iterator[None]:
-    """Force the forward-graph rewrites on or off while an `ORTTrainer` builds its engine (first step)."""
-    from ort_trainer._graph_rewrites import apply_rewrites
-
-    if library_applies_rewrites():
-        saved = _build.apply_rewrites
-        _build.apply_rewrites = apply_rewrites if enabled else (lambda model: 0)
-        try:
-            yield
-        finally:
-            _build.apply_rewrites = saved
-        return
-    if not enabled:
-        yield
-        return
-    saved = _build.add_optional_outputs
-
-    def rewrite_then_add(model):
-        apply_rewrites(model)
-        return saved(model)
-
-    _build.add_optional_outputs = rewrite_then_add
+    """Force the CPU speed rewrites on or off while an `ORTTrainer` builds its engine (first step)."""
+    saved = _build.apply_forward_rewrites
+    _build.apply_forward_rewrites = apply_forward_rewrites if enabled else (lambda model: 0)
     try:
         yield
     finally:
-        _build.add_optional_outputs = saved
+        _build.apply_forward_rewrites = saved
 
 
 # ------------------------------------------------------------------------------------------ contenders
@@ -222,10 +200,9 @@ def forward_graph(
     desc = validate_model_desc(spec.desc, require_loss=True)
     exported = export_torch_model(copy.deepcopy(model), spec.loss_fn, desc, sample, 17)
     forward = exported.model
+    pin_broadcast_dims(forward, {name: t.numpy() for name, t in zip(desc.input_names, sample, strict=True)})
     if rewrites:
-        from ort_trainer._graph_rewrites import apply_rewrites
-
-        apply_rewrites(forward)
+        apply_forward_rewrites(forward)
     add_optional_outputs(forward)
     params = [n for n in dict.fromkeys(exported.fqn_to_onnx.values()) if n not in exported.buffers | exported.no_grad]
     return forward, params

@@ -21,9 +21,9 @@ from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
 from ._export import export_torch_model, onnx_model_parameters
 from ._fp16_support import model_op_types, provider_fp16_support
 from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
-from ._graph_rewrites import apply_rewrites
 from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
+from .graph import apply_forward_rewrites, pin_broadcast_dims
 from .model_desc import ModelDescription
 
 __all__ = ["Engine", "build_engine"]
@@ -76,8 +76,9 @@ class BuildRequest:
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
     forward, fqn_to_onnx, not_trainable, initial = _forward_model(request, sample_inputs)
+    pin_broadcast_dims(forward, _sample_feeds(request.desc, sample_inputs))  # before gradients are built
     if request.device.torch_device.type == "cpu":  # rewrites of slow CPU gradient kernels; CUDA left as is
-        apply_rewrites(forward)
+        apply_forward_rewrites(forward)
     bn_stats = surface_batchnorm_statistics(forward)
     add_optional_outputs(forward)
     _save_graph(request, "model_after_graph_transforms_path", forward)
@@ -192,6 +193,10 @@ def _forward_model(request: BuildRequest, sample_inputs):
         if onnx_name not in initial and request.initial_state is not None and fqn in request.initial_state:
             initial[onnx_name] = request.initial_state[fqn]
     return exported.model, exported.fqn_to_onnx, exported.buffers | exported.no_grad, initial
+
+
+def _sample_feeds(desc: ModelDescription, sample_inputs: Sequence[torch.Tensor]) -> dict:
+    return {name: t.detach().cpu().numpy() for name, t in zip(desc.input_names, sample_inputs, strict=True)}
 
 
 def _float_initializers(model: onnx.ModelProto) -> list[str]:

@@ -1,0 +1,28 @@
+"""Graph rewrites: each keeps the model's math (loss and gradients equal PyTorch's), one module per rewrite.
+
+* Forward graph, before gradient building (`apply_forward_rewrites`, CPU only): `gather_to_gather_nd`,
+  `decompose_softmax_cross_entropy`: faster CPU kernels for the same values.
+* Forward graph, every device: `pin_broadcast_dims`: a correctness fix for ORT's gradient builder.
+
+tests/test_graph_rewrites.py and tests/test_graph_broadcast.py check each one against PyTorch.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from ._broadcast import pin_broadcast_dims
+from ._cross_entropy import decompose_softmax_cross_entropy
+from ._gather_nd import gather_to_gather_nd
+
+__all__ = [
+    "apply_forward_rewrites",
+    "decompose_softmax_cross_entropy",
+    "gather_to_gather_nd",
+    "pin_broadcast_dims",
+]
+
+
+def apply_forward_rewrites(model: onnx.ModelProto) -> int:
+    """The CPU speed rewrites of the forward graph, in place; returns the number of nodes replaced."""
+    return gather_to_gather_nd(model) + decompose_softmax_cross_entropy(model)
