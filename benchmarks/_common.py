@@ -26,7 +26,7 @@ from ort_trainer import ORTTrainer, optim
 from ort_trainer._export import export_torch_model
 from ort_trainer._graph_passes import add_optional_outputs
 from ort_trainer._native_logs import quiet_native_info_logs
-from ort_trainer.graph import apply_forward_rewrites, pin_broadcast_dims
+from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites, pin_broadcast_dims
 from ort_trainer.model_desc import validate_model_desc
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
@@ -146,13 +146,14 @@ def session_options(
 # ------------------------------------------------------------------------------------------ rewrites
 @contextlib.contextmanager
 def graph_rewrites(enabled: bool) -> Iterator[None]:
-    """Force the CPU speed rewrites on or off while an `ORTTrainer` builds its engine (first step)."""
-    saved = _build.apply_forward_rewrites
-    _build.apply_forward_rewrites = apply_forward_rewrites if enabled else (lambda model: 0)
+    """Force the CPU speed rewrites (forward and training graph) on or off while an `ORTTrainer` builds."""
+    saved = _build.apply_forward_rewrites, _build.apply_training_rewrites
+    if not enabled:
+        _build.apply_forward_rewrites = _build.apply_training_rewrites = lambda model: 0
     try:
         yield
     finally:
-        _build.apply_forward_rewrites = saved
+        _build.apply_forward_rewrites, _build.apply_training_rewrites = saved
 
 
 # ------------------------------------------------------------------------------------------ contenders
@@ -227,6 +228,10 @@ class BareOrt:
                 optimizer=artifacts.OptimType.AdamW,  # betas 0.9/0.999, eps 1e-6, weight decay 0, no clip_grad
                 artifact_directory=out,
             )
+        if rewrites:  # the same training-graph rewrites ORTTrainer applies
+            training = onnx.load(str(out / "training_model.onnx"))
+            apply_training_rewrites(training)
+            onnx.save(training, str(out / "training_model.onnx"))
         self.state = CheckpointState.load_checkpoint(str(out / "checkpoint"))
         self.module = Module(str(out / "training_model.onnx"), self.state, str(out / "eval_model.onnx"), "cpu", options)
         self.optimizer = Optimizer(str(out / "optimizer_model.onnx"), self.module)

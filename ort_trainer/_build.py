@@ -23,7 +23,7 @@ from ._fp16_support import model_op_types, provider_fp16_support
 from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
 from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
-from .graph import apply_forward_rewrites, pin_broadcast_dims
+from .graph import apply_forward_rewrites, apply_training_rewrites, pin_broadcast_dims
 from .model_desc import ModelDescription
 
 __all__ = ["Engine", "build_engine"]
@@ -114,6 +114,8 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
     known = set(request.desc.output_names) | set(backprop)
     outputs = backprop + _loss_first(request.desc) + [o.name for o in forward.graph.output if o.name not in known]
     train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
+    if request.device.torch_device.type == "cpu":
+        apply_training_rewrites(train_model)
     if mixed is not None:
         strip_loss_scaling(eval_model, mixed)
     return train_model, eval_model, loss_scale_input

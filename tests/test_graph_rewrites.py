@@ -21,8 +21,11 @@ from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, ml
 ce = torch.nn.functional.cross_entropy
 
 
-def _ort_loss_and_grads(model, loss_fn, desc, batch, rewrite):
-    """Export like ORTTrainer does, optionally rewrite, build the gradient graph, run it once."""
+def _ort_loss_and_grads(model, loss_fn, desc, batch, rewrite, train_rewrite=None):
+    """Export like ORTTrainer does, optionally rewrite, build the gradient graph (rewrite it too), run it once.
+
+    ``changed`` counts the nodes both rewrites replaced.
+    """
     desc = validate_model_desc(desc, require_loss=True)
     exported = export_torch_model(copy.deepcopy(model), loss_fn, desc, batch, 17)
     forward = exported.model
@@ -31,6 +34,7 @@ def _ort_loss_and_grads(model, loss_fn, desc, batch, rewrite):
     add_optional_outputs(forward)
     params = [n for n in dict.fromkeys(exported.fqn_to_onnx.values()) if n not in exported.buffers]
     train, _ = build_training_graphs(forward, params, [], list(desc.output_names))
+    changed += train_rewrite(train) if train_rewrite else 0
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = 2

@@ -3,6 +3,7 @@
 * Forward graph, before gradient building (`apply_forward_rewrites`, CPU only): `gather_to_gather_nd`,
   `decompose_softmax_cross_entropy`: faster CPU kernels for the same values.
 * Forward graph, every device: `pin_broadcast_dims`: a correctness fix for ORT's gradient builder.
+* Training graph, after gradient building (`apply_training_rewrites`, CPU only): `decompose_gelu_grads`.
 
 tests/test_graph_rewrites.py and tests/test_graph_broadcast.py check each one against PyTorch.
 """
@@ -14,9 +15,12 @@ import onnx
 from ._broadcast import pin_broadcast_dims
 from ._cross_entropy import decompose_softmax_cross_entropy
 from ._gather_nd import gather_to_gather_nd
+from ._gelu_grad import decompose_gelu_grads
 
 __all__ = [
     "apply_forward_rewrites",
+    "apply_training_rewrites",
+    "decompose_gelu_grads",
     "decompose_softmax_cross_entropy",
     "gather_to_gather_nd",
     "pin_broadcast_dims",
@@ -26,3 +30,8 @@ __all__ = [
 def apply_forward_rewrites(model: onnx.ModelProto) -> int:
     """The CPU speed rewrites of the forward graph, in place; returns the number of nodes replaced."""
     return gather_to_gather_nd(model) + decompose_softmax_cross_entropy(model)
+
+
+def apply_training_rewrites(model: onnx.ModelProto) -> int:
+    """The CPU speed rewrites of the training (gradient) graph, in place; returns the number of nodes replaced."""
+    return decompose_gelu_grads(model)
