@@ -25,6 +25,7 @@ from ._native_logs import quiet_native_info_logs
 __all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
 
 _LAZY_RESET = "lazy_reset_grad"
+_ACCUMULATOR_FLAG = "_grad.accumulation.out"  # onnxblock's InPlaceAccumulatorV2 outputs
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,10 @@ class _OutputBinding:
 
     Outputs nobody reads (the gradient accumulators' flags) are bound once to scratch memory. The ones
     read after the run (``read``) need fresh memory every run, since the caller may keep last step's
-    tensors: with a static shape they are bound to a new ``torch.empty`` (no ORT allocation, no output
-    conversion); otherwise ORT allocates them (rebinding the name drops last run's buffer) and they
-    are picked from the binding's outputs, whose order is the order of first binding.
+    tensors: scalars (the loss) are bound to a new ``torch.empty(())`` (no ORT allocation, no output
+    conversion); the others, whose declared shapes may be wrong where the exporter baked a dimension in,
+    are allocated by ORT (rebinding the name drops last run's buffer) and picked from the binding's
+    outputs, whose order is the order of first binding.
     """
 
     def __init__(self, session: ort.InferenceSession, io: ort.IOBinding, device: DeviceSpec, read: set[str]):
@@ -107,11 +109,11 @@ class _OutputBinding:
         for position, output in enumerate(session.get_outputs()):
             shape, dtype = output.shape, _TORCH_DTYPES.get(output.type)
             static = dtype is not None and all(isinstance(d, int) for d in shape)
-            if output.name in read and static:
-                self._static.append((output.name, tuple(shape), dtype))
+            if output.name in read and static and not shape:
+                self._static.append((output.name, (), dtype))
             elif output.name in read:
                 self._dynamic.append((output.name, position))
-            if static:  # every output is bound now, in graph order (the order get_outputs() keeps)
+            if static and output.name.endswith(_ACCUMULATOR_FLAG):  # bound once, in graph order
                 self._scratch.append(torch.empty(shape, dtype=dtype, device=device.torch_device))
                 io.bind_ortvalue_output(output.name, to_ortvalue(self._scratch[-1]))
             else:
