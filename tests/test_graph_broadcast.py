@@ -119,3 +119,31 @@ def test_hugging_face_bert_trains_like_torch():
     got = trainer.state_dict(pytorch_format=True)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+class _DroppedPositions(SlicedPositions):
+    def __init__(self):
+        super().__init__()
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, tokens):  # dropout before the broadcast add: the probe runs it
+        positions = self.position_ids[:, : tokens.shape[1]]
+        return self.head(self.dropout(self.tokens(tokens)) + self.positions(positions))
+
+
+def test_the_shape_probe_leaves_ort_random_state_alone():
+    """Users reseed ORT's global generator to replay dropout masks (samples/resume_lm.py): the probe run at
+    build time must not draw from it."""
+    import onnxruntime
+
+    torch.manual_seed(0)
+    model = _DroppedPositions()
+    batch = lm_batches(1, batch=3, seq=6, vocab=40)[0]
+    desc = validate_model_desc(LM_DESC, require_loss=True)
+    forward = export_torch_model(model, lm_loss, desc, batch, 17).model
+    session = onnxruntime.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"])
+    onnxruntime.set_seed(123)
+    expected = session.run(None, _feeds(batch))[0]
+    onnxruntime.set_seed(123)
+    assert pin_broadcast_dims(copy.deepcopy(forward), _feeds(batch)) == 1  # ran the probe
+    assert session.run(None, _feeds(batch))[0] == expected

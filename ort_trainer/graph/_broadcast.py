@@ -47,6 +47,11 @@ _BROADCASTING: dict[str, tuple[int, ...] | None] = {
 }
 
 
+# random ops -> the type of their ``seed`` attribute
+_RANDOM = {"Dropout": 0, "RandomNormal": 0.0, "RandomUniform": 0.0, "RandomNormalLike": 0.0}
+_RANDOM.update({"RandomUniformLike": 0.0, "Bernoulli": 0.0, "Multinomial": 0.0})
+
+
 def pin_broadcast_dims(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> int:
     """Pin the broadcast dimensions the shapes leave ambiguous (see the module doc); returns the count.
 
@@ -121,9 +126,17 @@ def _broadcast_dims(node: onnx.NodeProto, shape: tuple[int, ...], out: tuple[int
 
 
 def _run_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], names: set[str]) -> dict[str, tuple]:
-    """Run the graph once on CPU and return the real shapes of ``names``."""
+    """Run the graph once on CPU and return the real shapes of ``names``.
+
+    Random ops get a ``seed`` attribute in this copy, so they draw from their own generator and leave
+    ONNX Runtime's global one (which users reseed, e.g. to resume dropout masks exactly) untouched.
+    """
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
+    for node in probe.graph.node:
+        seeded = any(a.name == "seed" for a in node.attribute)
+        if node.op_type in _RANDOM and node.domain in ("", "ai.onnx") and not seeded:
+            node.attribute.append(helper.make_attribute("seed", _RANDOM[node.op_type]))
     del probe.graph.output[:]
     ordered = sorted(names)
     probe.graph.output.extend(onnx.ValueInfoProto(name=name) for name in ordered)
