@@ -1,4 +1,4 @@
-"""`decompose_gelu_grads`: element-wise tanh-GELU gradients equal ORT's fused kernels and PyTorch's autograd."""
+"""`decompose_gelu_grads`: element-wise GELU gradients equal ORT's fused kernels and PyTorch's autograd."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 from onnx import TensorProto, helper
 
 from ort_trainer import ORTTrainer, optim
-from ort_trainer.graph import apply_forward_rewrites, decompose_gelu_grads
+from ort_trainer.graph import apply_forward_rewrites, decompose_gelu_grads, pin_broadcast_dims
 from tests.hf_tiny import GPT2, HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, classifier_batch, lm_batch, token_loss
+from tests.models import MLP_DESC, mlp_batches
 from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads
 
 ce = torch.nn.functional.cross_entropy
@@ -36,7 +37,7 @@ def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
     return session.run(None, feeds)[0]
 
 
-@pytest.mark.parametrize("op_type", ["FastGeluGrad", "BiasFastGeluGrad_dX"])
+@pytest.mark.parametrize("op_type", ["GeluGrad", "BiasGeluGrad_dX", "FastGeluGrad", "BiasFastGeluGrad_dX"])
 def test_decomposition_equals_the_fused_kernel(op_type):
     inputs = ["dy", "x", "bias"] if op_type.startswith("Bias") else ["dy", "x"]
     rng = np.random.default_rng(0)
@@ -52,12 +53,32 @@ def test_decomposition_equals_the_fused_kernel(op_type):
     np.testing.assert_allclose(_run(rewritten, feeds), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("op_type", ["GeluGrad", "BiasGeluGrad_dX"])
-def test_exact_gelu_gradients_are_left_alone(op_type):
-    model = _kernel_model(op_type, ["dy", "x", "bias"] if op_type.startswith("Bias") else ["dy", "x"])
+def test_graphs_without_gelu_gradients_are_left_alone():
+    model = _kernel_model("TanhGrad", ["dy", "x"])
     before = model.SerializeToString()
     assert decompose_gelu_grads(model) == 0
     assert model.SerializeToString() == before
+
+
+class _GeluMLP(torch.nn.Module):
+    def __init__(self, approximate: str):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(20, 32), torch.nn.Linear(32, 4)
+        self.act = torch.nn.GELU(approximate=approximate)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_mlp_gelu_gradients_match_torch(approximate):
+    """nn.GELU() becomes Gelu + GeluGrad; nn.GELU("tanh") exports to ops ORT does not fuse (nothing to do)."""
+    torch.manual_seed(0)
+    model = _GeluMLP(approximate)
+    batch = mlp_batches(1, batch=8)[0]
+    loss, grads, changed = _ort_loss_and_grads(model, ce, MLP_DESC, batch, None, decompose_gelu_grads)
+    assert changed == (1 if approximate == "none" else 0)
+    _assert_close((loss, grads), _torch_loss_and_grads(model, ce, batch))
 
 
 def test_hugging_face_gpt2_gradients_match_torch():
@@ -74,6 +95,26 @@ def test_hugging_face_gpt2_gradients_match_torch():
     loss, grads, _ = _ort_loss_and_grads(model, token_loss, HF_DESC, batch, apply_forward_rewrites, train_rewrite)
     assert replaced == [2]  # one FastGeluGrad per layer
     _assert_close((loss, grads), _torch_loss_and_grads(model, token_loss, batch))
+
+
+def test_hugging_face_bert_gradients_match_torch():
+    """BERT's exact GELU becomes BiasGelu + BiasGeluGrad_dX (and its position ids need pin_broadcast_dims)."""
+    torch.manual_seed(0)
+    model = BertClassifier(layers=2)
+    batch = classifier_batch()
+    replaced = []
+
+    def forward_rewrite(forward):
+        feeds = dict(zip(("input_ids", "attention_mask", "label"), (t.numpy() for t in batch), strict=True))
+        return pin_broadcast_dims(forward, feeds) + apply_forward_rewrites(forward)
+
+    def train_rewrite(model):
+        replaced.append(decompose_gelu_grads(model))
+        return replaced[-1]
+
+    loss, grads, _ = _ort_loss_and_grads(model, ce, HF_CLASSIFIER_DESC, batch, forward_rewrite, train_rewrite)
+    assert replaced == [2]  # one BiasGeluGrad_dX per layer
+    _assert_close((loss, grads), _torch_loss_and_grads(model, ce, batch))
 
 
 def test_hugging_face_bert_trains_like_torch_with_adamw():
