@@ -37,6 +37,21 @@ def capture_torch_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def release_engine_owned_initial_state(trainer: StateOwner) -> None:
+    """Once built, keep only the dtype and shape (meta tensors) of initial values the engine now holds.
+
+    ``_pytorch_state`` reads just their dtype; the values live in the engine's buffers. Dropping them
+    saves one copy of the model's weights for the rest of the run.
+    """
+    engine, initial = trainer._engine, trainer._initial_state
+    if engine is None or initial is None:
+        return
+    owned = {**engine.param_views, **engine.frozen}
+    trainer._initial_state = {
+        fqn: value.to("meta") if engine.fqn_to_onnx.get(fqn) in owned else value for fqn, value in initial.items()
+    }
+
+
 # ---------------------------------------------------------------------------- state_dict
 def trainer_state_dict(trainer: StateOwner, pytorch_format: bool = False, copy_tensors: bool = True) -> dict:
     """Legacy-layout state. Tensors are copies unless ``copy_tensors=False`` (internal, for saving)."""

@@ -204,6 +204,7 @@ class ORTTrainer:
         except BaseException:
             self._engine = None  # stay unbuilt with the pending state kept: never train from the wrong weights
             raise
+        _state.release_engine_owned_initial_state(self)
         return self._engine
 
     def _update(self, engine: Engine, lr: float, accumulation: int, scaler=None) -> bool:
