@@ -21,7 +21,6 @@ from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
 from ._export import export_torch_model, onnx_model_parameters
 from ._fp16_support import model_op_types, provider_fp16_support
 from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
-from ._memory import release_freed_memory
 from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
 from .graph import apply_forward_rewrites, apply_training_rewrites, pin_broadcast_dims
@@ -99,7 +98,6 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
         request, sample_inputs, trainable, frozen, initial, train_model, eval_model, bn_stats, fqn_to_onnx
     )
     engine.loss_scale_input = loss_scale_input
-    release_freed_memory()  # export/gradient-building scratch, which glibc would otherwise keep resident
     return engine
 
 

@@ -1,10 +1,10 @@
 """Give the memory the one-time build freed back to the operating system.
 
 Exporting with the TorchScript tracer and building the gradient graph churn through a few hundred MB
-(traced graphs, serialized protos) that are freed when the build ends, but glibc keeps freed heap pages
-in its arenas: the process's resident size stays ~150-200 MB higher for the whole run (measured on
-HF GPT-2, 5.2M parameters). ``malloc_trim(0)`` returns them. Elsewhere (musl, macOS, Windows) this
-does nothing.
+(traced graphs, serialized protos, the build's copies of the weights) that are freed when the build
+ends, but glibc keeps freed heap pages in its arenas: the process's resident size stays ~150-200 MB
+higher for the whole run (measured on HF GPT-2, 5.2M parameters). ``malloc_trim(0)`` returns them;
+the trainer calls it once, after the first build. Elsewhere (musl, macOS, Windows) this does nothing.
 """
 
 from __future__ import annotations

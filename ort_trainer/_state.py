@@ -18,6 +18,7 @@ from onnx import numpy_helper
 
 from ort_trainer.checkpoint.format import _schema as K
 
+from ._memory import release_freed_memory
 from ._owner import StateOwner
 
 if TYPE_CHECKING:
@@ -41,15 +42,16 @@ def release_engine_owned_initial_state(trainer: StateOwner) -> None:
     """Once built, keep only the dtype and shape (meta tensors) of initial values the engine now holds.
 
     ``_pytorch_state`` reads just their dtype; the values live in the engine's buffers. Dropping them
-    saves one copy of the model's weights for the rest of the run.
+    saves one copy of the model's weights for the rest of the run; then the memory the build freed
+    is handed back to the OS (`release_freed_memory`).
     """
     engine, initial = trainer._engine, trainer._initial_state
-    if engine is None or initial is None:
-        return
-    owned = {**engine.param_views, **engine.frozen}
-    trainer._initial_state = {
-        fqn: value.to("meta") if engine.fqn_to_onnx.get(fqn) in owned else value for fqn, value in initial.items()
-    }
+    if engine is not None and initial is not None:
+        owned = {**engine.param_views, **engine.frozen}
+        trainer._initial_state = {
+            fqn: value.to("meta") if engine.fqn_to_onnx.get(fqn) in owned else value for fqn, value in initial.items()
+        }
+    release_freed_memory()
 
 
 # ---------------------------------------------------------------------------- state_dict
