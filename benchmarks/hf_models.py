@@ -209,7 +209,7 @@ def rss_child(args) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter (VmHWM) to the current RSS
     for i in range(args.steps):
         step(batches[i % 2])
-    print(f"RSS {before} {_status_kb('VmHWM')}")
+    print(f"RSS {before} {_status_kb('VmHWM')} {_status_kb('RssAnon')} {_status_kb('RssFile')}")
     del keep
 
 
@@ -221,16 +221,16 @@ def _status_kb(key: str) -> int:
 
 
 def run_memory(args) -> None:
-    print("| model | contender | RSS before the steps (MiB) | peak RSS during the steps (MiB) |")
-    print("|---|---|---|---|")
+    print("| model | contender | RSS before the steps (MiB) | peak RSS during the steps | anonymous | file-backed |")
+    print("|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
         for name in args.contenders.split(","):
             command = [sys.executable, __file__, "--rss-child", model_name, name, "--layers", str(args.layers)]
             command += ["--steps", str(args.steps)] + (["--batch", str(args.batch)] if args.batch else [])
             command += ["--threads", str(args.threads)] if args.threads else []
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            before, peak = (int(x) for x in out.split("RSS ")[-1].split())
-            print(f"| {model_name} | {name} | {before / 1024:.0f} | {peak / 1024:.0f} |", flush=True)
+            before, peak, anon, files = (int(x) / 1024 for x in out.split("RSS ")[-1].split())
+            print(f"| {model_name} | {name} | {before:.0f} | {peak:.0f} | {anon:.0f} | {files:.0f} |", flush=True)
 
 
 def main(argv=None) -> int:
