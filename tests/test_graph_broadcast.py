@@ -147,3 +147,15 @@ def test_the_shape_probe_leaves_ort_random_state_alone():
     onnxruntime.set_seed(123)
     assert pin_broadcast_dims(copy.deepcopy(forward), _feeds(batch)) == 1  # ran the probe
     assert session.run(None, _feeds(batch))[0] == expected
+
+
+def test_a_probe_that_cannot_run_warns_and_changes_nothing():
+    torch.manual_seed(0)
+    model = SlicedPositions()
+    batch = lm_batches(1, batch=3, seq=6, vocab=40)[0]
+    desc = validate_model_desc(LM_DESC, require_loss=True)
+    forward = export_torch_model(model, lm_loss, desc, batch, 17).model
+    before = forward.SerializeToString()
+    with pytest.warns(RuntimeWarning, match="could not run the forward graph on the first batch"):
+        assert pin_broadcast_dims(forward, {"tokens": batch[0].numpy()}) == 0  # the label is missing
+    assert forward.SerializeToString() == before
