@@ -26,7 +26,7 @@ from ort_trainer import ORTTrainer, optim
 from ort_trainer._export import export_torch_model
 from ort_trainer._graph_passes import add_optional_outputs
 from ort_trainer._native_logs import quiet_native_info_logs
-from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites, pin_broadcast_dims
+from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
 from ort_trainer.model_desc import validate_model_desc
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
@@ -201,7 +201,6 @@ def forward_graph(
     desc = validate_model_desc(spec.desc, require_loss=True)
     exported = export_torch_model(copy.deepcopy(model), spec.loss_fn, desc, sample, 17)
     forward = exported.model
-    pin_broadcast_dims(forward, {name: t.numpy() for name, t in zip(desc.input_names, sample, strict=True)})
     if rewrites:
         apply_forward_rewrites(forward)
     add_optional_outputs(forward)

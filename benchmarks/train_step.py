@@ -10,7 +10,7 @@ Contenders (same model, initial weights, batches and AdamW hyper-parameters, see
                    its AdamWOptimizer uses adam_mode=1, the HF-transformers formula: same cost, and
                    its losses drift slightly from the other two, which match each other)
   ort_trainer      ORTTrainer on the same forward graph as ort_api
-  suffix +rw       on the forward graph after ort_trainer._graph_rewrites.apply_rewrites
+  suffix +rw       with the CPU graph rewrites of ort_trainer.graph (forward and training graph)
   suffix +nospin   ORT session.intra_op.allow_spinning=0 (+spin: =1; default: ORT's default, 1)
   suffix +stopspin ORT session.force_spinning_stop=1 (threads spin during Run, stop when it returns)
 

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointKeyError",
     "CheckpointNotFoundError",
     "CheckpointPickleError",
+    "CheckpointStorageError",
     "CheckpointVersionError",
 ]
 
@@ -52,3 +53,8 @@ class CheckpointKeyError(CheckpointError, KeyError):
     def __str__(self) -> str:
         # KeyError.__str__ would show the repr of the message (quotes, escaped backslashes).
         return str(self.args[0]) if self.args else ""
+
+
+class CheckpointStorageError(CheckpointError, OSError):
+    """The storage behind a path or URL failed: no filesystem installed for a URL's scheme, missing
+    credentials, a refused or failed upload/download. The message names the URL."""

@@ -6,7 +6,7 @@ imports `trainer.py` and the trainer imports both at module level (no import cir
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from ort_trainer.optim.config import _OptimizerConfig
 
     from ._build import Engine
+    from ._checkpoint_io import CheckpointIO
     from ._distributed import DistributedContext
+    from ._store import ParamStore
     from .model_desc import ModelDescription
     from .options import ORTTrainerOptions
     from .train_step_info import TrainStepInfo
@@ -32,8 +34,8 @@ class StateOwner(Protocol):
     model_desc: ModelDescription
     loss_fn: Callable | None
     _model: torch.nn.Module | onnx.ModelProto
+    _store: ParamStore  # weights, optimizer, frozen state: complete from construction on
     _engine: Engine | None  # None until the graphs are built on the first step
-    _pending_state: tuple[Mapping, bool] | None  # a load_state_dict waiting for the graphs
-    _initial_state: dict[str, torch.Tensor] | None  # the torch module's state before export
     _train_step_info: TrainStepInfo
     _dist: DistributedContext | None
+    _checkpoint_io: CheckpointIO | None  # background writer of asynchronous saves, created on the first save

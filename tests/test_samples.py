@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ort_trainer import checkpoint
 
@@ -53,8 +54,11 @@ def test_train_lm_sample_learns_and_writes_the_loss_curve(tmp_path):
     assert png.read_bytes()[:8] == PNG_MAGIC, f"{png} is not a PNG"
     summary = next((line for line in result.stdout.splitlines() if line.startswith("summary:")), "")
     assert f"png={png}" in summary, summary
-    # the checkpoint written during training (at step 20, then replaced at the end) holds the whole run
-    saved = checkpoint.load(out / "ckpt.ortcp")
+    # the manager's checkpoints (steps 20 and 30, asynchronous): the latest holds the whole run
+    latest = checkpoint.CheckpointManager(out / "checkpoints").latest()
+    assert latest.step == 30 and set(latest.metrics) == {"eval_loss"}, latest
+    assert f"checkpoint={latest.path}" in summary
+    saved = checkpoint.load(latest.path)
     assert saved["train_step_info"]["step"] == 30, saved["train_step_info"]
     assert len(checkpoint.decode_user_dict(saved["user_dict"])["train_losses"]) == 30
     assert "steps=30 " in summary, summary
@@ -70,6 +74,40 @@ def test_train_lm_sample_learns_and_writes_the_loss_curve(tmp_path):
     ort_loss = _number(r"ONNX Runtime ([\d.]+)", result.stdout)
     torch_loss = _number(r"PyTorch ([\d.]+)", result.stdout)
     assert abs(ort_loss - torch_loss) < 1e-3, result.stdout
+    # the text is sampled (temperature, top-k), not greedy: greedy repeats one word ("the the the ...")
+    text = _generated(result.stdout)
+    assert text.startswith("This License ") and len(text) == len("This License ") + 200, text
+    words = text.split()[2:]
+    assert len(set(words)) > 0.6 * len(words), f"the generated text repeats itself: {text!r}"
+
+
+def _generated(stdout: str) -> str:
+    line = next((line for line in stdout.splitlines() if line.startswith("generated: ")), "")
+    assert line, f"no 'generated: ' line in the sample's output:\n{stdout}"
+    return ast.literal_eval(line.removeprefix("generated: "))
+
+
+def test_sampling_is_seeded_and_temperature_zero_is_greedy():
+    sys.path.insert(0, str(ROOT / "samples"))
+    try:
+        from model import CharTransformer, generate
+    finally:
+        sys.path.remove(str(ROOT / "samples"))
+    torch.manual_seed(0)
+    model = CharTransformer(30, 16, 16, 2, 1, 0.0).eval()
+    prompt = [1, 2, 3]
+
+    def sample(seed, n=12, **kwargs):
+        return generate(model, prompt, n, 16, generator=torch.Generator().manual_seed(seed), **kwargs)
+
+    assert sample(7) == sample(7)  # seeded: the demo prints the same text every run
+    assert sample(7) != sample(8)
+    greedy = sample(7, temperature=0)
+    assert sample(7, top_k=1) == greedy == sample(8, temperature=0)
+    assert greedy[3] == int(model(torch.tensor([prompt]))[0, -1].argmax())
+    top3 = {sample(seed, n=1, temperature=5.0, top_k=3)[3] for seed in range(20)}
+    first_logits = model(torch.tensor([prompt]))[0, -1]
+    assert top3 <= set(first_logits.topk(3).indices.tolist())  # never outside the top k
 
 
 # -----------------------------------------------------------------------------
@@ -136,18 +174,25 @@ def _run_sample(command: list[str], tmp_path: Path, timeout: float, env: dict | 
 
 def test_resume_sample_continues_bit_for_bit_after_sigkill(tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, str(ROOT / "samples" / "resume_lm.py"), "--steps", "20", "--save-every", "5"]
+    command = [sys.executable, str(ROOT / "samples" / "resume_lm.py"), "--demo", "--steps", "20", "--save-every", "5"]
     stdout, _ = _run_sample([*command, "--kill-at", "13", "--out", str(out)], tmp_path, timeout=180)
 
-    assert "[crash run] kill point reached at step 13" in stdout, stdout
-    assert "[resumed run] resuming from step00010.ortcp (step 10)" in stdout, stdout  # the newest checkpoint
+    assert "[crash run] starting fresh" in stdout and "[crash run] step 13" in stdout, stdout
+    assert "[crash run] done" not in stdout, stdout  # killed, not finished
+    # the newest complete checkpoint when the kill landed (step 10's background save may not have been published)
+    resumed = re.search(r"\[resumed run\] resuming from ckpt-0+(\d+)\.ortcp \(step (\d+)\)", stdout)
+    assert resumed and resumed.group(1) == resumed.group(2) and int(resumed.group(1)) in (5, 10), stdout
+    assert "[reference run] starting fresh" in stdout, stdout
     png = out / "resume.png"
     assert png.read_bytes()[:8] == PNG_MAGIC, f"{png} is not a PNG"
     summary = next((line for line in stdout.splitlines() if line.startswith("summary:")), "")
-    assert f"png={png}" in summary and "resumed_from=10 " in summary, summary
+    assert f"png={png}" in summary and f"resumed_from={resumed.group(1)} " in summary, summary
     # the resumed run equals the uninterrupted one exactly: every loss and every final weight
     assert _number(r"loss_diff=([-\d.e+]+)", summary) == 0.0, summary
     assert _number(r"weight_diff=([-\d.e+]+)", summary) == 0.0, summary
+    # the manager kept the last two checkpoints and the best one, and nothing else of its own
+    kept = [c.step for c in checkpoint.CheckpointManager(out / "run" / "checkpoints").checkpoints()]
+    assert kept[-2:] == [15, 20] and len(kept) <= 3, kept
 
 
 def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
@@ -158,8 +203,10 @@ def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # gloo's own connections stay on the loopback interface too
     stdout, _ = _run_sample(command, tmp_path, timeout=180, env=env)
 
-    for name in ("lm.rank0-of-2.ortcp", "lm.rank1-of-2.ortcp", "lm.ortcp.manifest.json"):
-        assert (out / name).is_file(), f"{name} missing; {sorted(p.name for p in out.iterdir())}"
+    latest = checkpoint.CheckpointManager(out / "checkpoints").latest()  # saved through the manager
+    assert latest.step == 20 and latest.path.endswith("ckpt-000000020.ortcp.manifest.json"), latest
+    files = checkpoint.check_manifest(latest.path).rank_paths()  # both rank files, sizes and CRC-32s as published
+    assert [p.name.split(".")[1] for p in files] == ["rank0-of-2", "rank1-of-2"], files
     full = out / "lm-full.ortcp"
     options = checkpoint.load(full, key="trainer_options")
     assert (options["world_size"], options["zero_stage"]) == (1, 0), options
@@ -167,6 +214,5 @@ def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
     summary = next((line for line in stdout.splitlines() if line.startswith("summary:")), "")
     assert "world_size=2 zero_stage=1 steps=20 " in summary and f"aggregated={full}" in summary, summary
     assert _number(r"last_loss=([\d.]+)", summary) < _number(r"first_loss=([\d.]+)", summary) - 0.8, summary
-    generated = next((line for line in stdout.splitlines() if line.startswith("generated: ")), "")
-    text = ast.literal_eval(generated.removeprefix("generated: ")) if generated else ""
+    text = _generated(stdout)
     assert text.startswith("This License ") and len(text) == len("This License ") + 100, stdout

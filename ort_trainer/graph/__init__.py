@@ -2,17 +2,15 @@
 
 * Forward graph, before gradient building (`apply_forward_rewrites`, CPU only): `gather_to_gather_nd`,
   `decompose_softmax_cross_entropy`: faster CPU kernels for the same values.
-* Forward graph, every device: `pin_broadcast_dims`: a correctness fix for ORT's gradient builder.
 * Training graph, after gradient building (`apply_training_rewrites`, CPU only): `decompose_gelu_grads`.
 
-tests/test_graph_rewrites.py and tests/test_graph_broadcast.py check each one against PyTorch.
+tests/test_graph_rewrites.py and tests/test_graph_gelu.py check each one against PyTorch.
 """
 
 from __future__ import annotations
 
 import onnx
 
-from ._broadcast import pin_broadcast_dims
 from ._cross_entropy import decompose_softmax_cross_entropy
 from ._gather_nd import gather_to_gather_nd
 from ._gelu_grad import decompose_gelu_grads
@@ -23,7 +21,6 @@ __all__ = [
     "decompose_gelu_grads",
     "decompose_softmax_cross_entropy",
     "gather_to_gather_nd",
-    "pin_broadcast_dims",
 ]
 
 
