@@ -24,6 +24,7 @@ import torch
 import ort_trainer._build as _build
 from ort_trainer import ORTTrainer, optim
 from ort_trainer._export import export_torch_model
+from ort_trainer._gradient_fixes import expand_where_inputs
 from ort_trainer._graph_passes import add_optional_outputs
 from ort_trainer._native_logs import quiet_native_info_logs
 from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
@@ -204,8 +205,30 @@ def forward_graph(
     if rewrites:
         apply_forward_rewrites(forward)
     add_optional_outputs(forward)
-    params = [n for n in dict.fromkeys(exported.fqn_to_onnx.values()) if n not in exported.buffers | exported.no_grad]
+    present = {init.name for init in forward.graph.initializer}
+    params = [
+        n
+        for n in dict.fromkeys(exported.fqn_to_onnx.values())
+        if n in present and n not in exported.buffers | exported.no_grad
+    ]
+    expand_where_inputs(forward, set(params))  # as ORTTrainer's build does
     return forward, params
+
+
+@contextlib.contextmanager
+def _gradient_fixes_in_onnxblock() -> Iterator[None]:
+    """ORTTrainer's fix for ORT's broadcast-gradient bug (`_gradient_fixes.forget_unnamed_dims`), also for the
+    bare loop's ``generate_artifacts``: without it HF BERT's gradient graph aborts the process."""
+    from onnxruntime.training.onnxblock import blocks
+
+    from ort_trainer._gradient_fixes import forget_unnamed_dims
+
+    original = blocks.Block.infer_shapes_on_base
+    blocks.Block.infer_shapes_on_base = lambda self: forget_unnamed_dims(original(self))
+    try:
+        yield
+    finally:
+        blocks.Block.infer_shapes_on_base = original
 
 
 class BareOrt:
@@ -218,7 +241,7 @@ class BareOrt:
         forward, params = forward_graph(spec, model, first, rewrites)
         self._dir = tempfile.TemporaryDirectory(prefix="bare_ort_")
         out = Path(self._dir.name)
-        with quiet_native_info_logs():
+        with quiet_native_info_logs(), _gradient_fixes_in_onnxblock():
             artifacts.generate_artifacts(
                 forward,
                 requires_grad=params,
