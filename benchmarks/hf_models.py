@@ -15,7 +15,8 @@ Contenders:
   compile          ``torch.compile(model)`` (inductor, default mode), eager attention; optimizer eager
   compile_sdpa     the same with sdpa
   ort_trainer      ORTTrainer with its defaults (no session_options given), eager attention
-  ort_api          the bare onnxruntime.training.api loop (Module + Optimizer, AdamW) on the same graph
+  ort_api          the bare onnxruntime.training.api loop (Module + Optimizer, AdamW) on the same graph,
+                   ORT intra-op spinning off like ORTTrainer's default
 PyTorch's AdamW is the fused CPU kernel. Threads: torch.set_num_threads(--threads); ORTTrainer uses ORT's
 default intra-op pool (one thread per physical core) unless --threads is given explicitly.
 
@@ -89,7 +90,9 @@ def build(spec_for, model_name: str, name: str, args) -> tuple:
         step, trainer = ort_trainer_step(spec, model, options, True, first)
         return step, trainer
     else:
-        bare = BareOrt(spec, model, session_options(args.threads or _physical_cores()), True, first)
+        # spinning off, as ORTTrainer's default: spinning pool threads linger after a run and would slow
+        # whichever contender runs next in this process
+        bare = BareOrt(spec, model, session_options(args.threads or _physical_cores(), spinning=False), True, first)
         return bare.step, bare
     step(first)
     return step, None
