@@ -178,6 +178,23 @@ def torch_step(spec: ModelSpec, model: torch.nn.Module, adamw: str = "fused") ->
     return step
 
 
+def compiled_step(spec: ModelSpec, model: torch.nn.Module) -> Step:
+    """``torch.compile(model)`` (inductor, default mode) for forward + backward; the fused AdamW stays eager."""
+    compiled = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(compiled.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    forward = torch.compile(compiled)
+
+    def step(batch):
+        *inputs, label = batch
+        opt.zero_grad(set_to_none=True)
+        loss = spec.loss_fn(forward(*inputs), label)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 def ort_trainer_step(
     spec: ModelSpec, model: torch.nn.Module, options: ort.SessionOptions, rewrites: bool, first: tuple
 ) -> tuple[Step, ORTTrainer]:

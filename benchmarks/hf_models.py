@@ -29,7 +29,6 @@ attention); "x best eager" uses the faster of pytorch and pytorch_sdpa when both
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import subprocess
@@ -42,7 +41,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import BareOrt, ort_trainer_step, session_options, torch_step
+from benchmarks._common import BareOrt, compiled_step, ort_trainer_step, session_options, torch_step
 from benchmarks._hf import bert_spec, gpt2_spec
 
 CONTENDERS = ("pytorch", "pytorch_sdpa", "compile", "ort_trainer", "ort_api")
@@ -84,7 +83,7 @@ def build(spec_for, model_name: str, name: str, args) -> tuple:
     if name.startswith("pytorch"):
         step = torch_step(spec, model)
     elif name.startswith("compile"):
-        step = _compiled_step(spec, model)
+        step = compiled_step(spec, model)
     elif name == "ort_trainer":
         options = None if args.threads is None else session_options(args.threads, spinning=False)
         step, trainer = ort_trainer_step(spec, model, options, True, first)
@@ -96,22 +95,6 @@ def build(spec_for, model_name: str, name: str, args) -> tuple:
         return bare.step, bare
     step(first)
     return step, None
-
-
-def _compiled_step(spec, model):
-    compiled = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, fused=True)
-    forward = torch.compile(compiled)
-
-    def step(batch):
-        *inputs, label = batch
-        opt.zero_grad(set_to_none=True)
-        loss = spec.loss_fn(forward(*inputs), label)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
 
 
 def _physical_cores() -> int:
