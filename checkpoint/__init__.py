@@ -1,6 +1,6 @@
 """Checkpoint storage for ort_trainer: HDF5 files compatible with the legacy ORTTrainer.
 
-``save(tree, path)`` writes a nested mapping atomically with per-dataset CRC-32 checksums;
+``save(tree, path)`` writes a nested mapping atomically with per-dataset CRC-32C checksums;
 ``load(path, key=None)`` reads it back (array data as CPU tensors) after validating the file;
 ``open_checkpoint(path)`` inspects and reads pieces without loading everything. The on-disk
 format is documented in ``checkpoint/format/FORMAT.md``. Distributed saves: ``aggregate_states`` /
@@ -29,6 +29,7 @@ from .errors import (
     CheckpointPickleError,
     CheckpointStorageError,
     CheckpointVersionError,
+    CheckpointWriteError,
 )
 from .format import (
     FORMAT_NAME,
@@ -89,6 +90,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointStorage",
     "CheckpointVersionError",
+    "CheckpointWriteError",
     "DatasetInfo",
     "HDF5Storage",
     "InMemoryStorage",

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointPickleError",
     "CheckpointStorageError",
     "CheckpointVersionError",
+    "CheckpointWriteError",
 ]
 
 
@@ -53,6 +54,26 @@ class CheckpointKeyError(CheckpointError, KeyError):
     def __str__(self) -> str:
         # KeyError.__str__ would show the repr of the message (quotes, escaped backslashes).
         return str(self.args[0]) if self.args else ""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A save failed in the operating system: the device is full, a file size limit was hit, an I/O error.
+
+    It is an ``OSError`` too, with ``errno`` (e.g. ``errno.ENOSPC``, ``errno.EFBIG``) and ``filename``
+    (the checkpoint path asked for). The previous checkpoint at that path is intact and the save's
+    temporary file has been removed.
+    """
+
+    def __init__(self, error_number: int | None, message: str, filename: str) -> None:
+        OSError.__init__(self, error_number, message)  # sets errno and strerror (ValueError's init would not)
+        self.filename = filename
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # pickle (e.g. across processes) with the three arguments
+        return type(self), (self.errno, self.message, self.filename)
 
 
 class CheckpointStorageError(CheckpointError, OSError):

@@ -166,10 +166,21 @@ def _is_partitioned_set(paths: Sequence[str | os.PathLike]) -> bool:
         if K.TRAINER_OPTIONS_KEY not in reader.keys():
             return False
         options = reader.read(K.TRAINER_OPTIONS_KEY)
-    zero = int(options.get(K.ZERO_STAGE_KEY, 0) or 0)
-    world = int(options.get(K.WORLD_SIZE_KEY, 1) or 1)
-    horizontal = int(options.get(K.HORIZONTAL_PARALLEL_SIZE_KEY, 1) or 1)
+    zero, world, horizontal = (
+        _topology_value(options, key, default, paths[0])
+        for key, default in ((K.ZERO_STAGE_KEY, 0), (K.WORLD_SIZE_KEY, 1), (K.HORIZONTAL_PARALLEL_SIZE_KEY, 1))
+    )
     return (zero > 0 and world > 1) or horizontal > 1
+
+
+def _topology_value(options: Any, key: str, default: int, path: Any) -> int:
+    """One topology field of a file's ``trainer_options``, checked as the aggregation checks it."""
+    value = K._scalar(options.get(key, default)) if isinstance(options, Mapping) else default
+    if not isinstance(value, int) or isinstance(value, bool) or value < min(default, 1):
+        raise checkpoint.CheckpointCorruptError(
+            f"{path}: invalid trainer_options: {key}: expected an int >= {min(default, 1)}, got {value!r}"
+        )
+    return value
 
 
 def _decode(tree: Any, allow_pickle: bool, source: Any) -> dict[str, Any]:

@@ -1,16 +1,14 @@
 """Damaged files: every load returns the original data exactly or raises a CheckpointError, nothing else.
 
 h5py can crash the interpreter on some damaged HDF5 files (seen while fuzzing files without our
-header), so the seeded cases run in two subprocess batches: a crash fails the test naming the
-case instead of killing pytest.
+header), so the seeded cases run in child processes (``tests/fuzz_runner.py``): a crash or a hang is
+recorded for its case, the child restarted, and the test fails naming the case. ``verify`` must agree
+with ``load`` on every case.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 from collections import Counter
 
 import h5py
@@ -19,39 +17,10 @@ import pytest
 import torch
 
 from ort_trainer import checkpoint as C
+from tests.fuzz_runner import run_cases
+from tests.paths import FIXTURES
 
 SEED = 424242
-RUNNER = """
-import json, os, sys, torch, checkpoint as C
-src, out, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-original = open(src, "rb").read()
-reference = C.load(src)
-
-def same(a, b):
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)))
-    return type(a) is type(b) and a == b
-
-for kind, offset in cases:
-    print(json.dumps([kind, offset, "start"]), flush=True)
-    data = bytearray(original)
-    if kind == "truncate":
-        del data[offset:]
-    else:
-        data[offset] ^= 0xFF if kind == "flip" else 1 << (offset % 8)
-    with open(out, "wb") as f:
-        f.write(data)
-    try:
-        result = "same" if same(reference, C.load(out)) else "DIFFERENT DATA"
-    except C.CheckpointError as exc:
-        result = "error:" + type(exc).__name__
-    except BaseException as exc:
-        result = f"WRONG EXCEPTION {type(exc).__name__}: {exc}"
-    print(json.dumps([kind, offset, result]), flush=True)
-"""
 
 
 def _tree():
@@ -79,30 +48,26 @@ def saved(tmp_path_factory):
     return path
 
 
-def _cases(size):
-    rng = random.Random(SEED)
+def _cases(size, seed=SEED, count=100):
+    """Truncations at the edges and at random, byte inversions, and single bits near both ends (metadata)."""
+    rng = random.Random(seed)
     edges = [0, 1, 8, 39, 40, 511, 512, 513, size // 2, size - 1]
-    cases = [("truncate", o) for o in edges + [rng.randrange(size) for _ in range(90)]]
-    cases += [("flip", rng.randrange(size)) for _ in range(100)]
+    cases = [("truncate", o) for o in edges + [rng.randrange(size) for _ in range(count - 10)]]
+    cases += [("flip", rng.randrange(size)) for _ in range(count)]
     # metadata lives mostly at both ends of the file: more bit flips there
-    cases += [("bit", rng.randrange(0, 8192)) for _ in range(30)]
-    cases += [("bit", rng.randrange(size - 8192, size)) for _ in range(30)]
+    cases += [("bit", rng.randrange(0, min(size, 8192))) for _ in range(count * 3 // 10)]
+    cases += [("bit", rng.randrange(max(0, size - 8192), size)) for _ in range(count * 3 // 10)]
     return cases
 
 
-def _run_batches(saved, cases, tmp_path):
-    procs = []
-    for i, batch in enumerate([cases[0::2], cases[1::2]]):
-        args = [sys.executable, "-c", RUNNER, str(saved), str(tmp_path / f"case{i}.ortcp"), json.dumps(batch)]
-        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        lines = [json.loads(line) for line in out.splitlines()]
-        last = lines[-1][:2] if lines else None
-        assert proc.returncode == 0, f"runner died ({proc.returncode}) during case {last}: {err[-2000:]}"
-        results += [line for line in lines if line[2] != "start"]
-    return results
+def _check(results, cases):
+    assert len(results) == len(cases)
+    bad = [r for r in results if not (r[2] == "same" or r[2].startswith("error:"))]
+    assert not bad, bad
+    disagree = [r for r in results if (r[2] == "same") != (r[3] == "same")]
+    assert not disagree, f"load and verify disagree: {disagree}"
+    assert all(r[2].startswith("error:") for r in results if r[0] == "truncate"), "a truncated file loaded"
+    return Counter(r[2] for r in results)
 
 
 def test_damaged_files_load_identically_or_raise_checkpoint_error(saved, tmp_path):
@@ -110,13 +75,34 @@ def test_damaged_files_load_identically_or_raise_checkpoint_error(saved, tmp_pat
     assert 0.8e6 < size < 1.5e6
     cases = _cases(size)
     assert len(cases) >= 200
-    results = _run_batches(saved, cases, tmp_path)
-    assert len(results) == len(cases)
-    bad = [r for r in results if not (r[2] == "same" or r[2].startswith("error:"))]
-    assert not bad, bad
-    assert all(r[2].startswith("error:") for r in results if r[0] == "truncate"), "a truncated file loaded"
-    counts = Counter(r[2] for r in results)
+    counts = _check(run_cases(saved, cases, tmp_path), cases)
     assert counts["error:CheckpointCorruptError"] > 100, counts
+    print(f"{len(cases)} damaged files: {dict(counts)}")
+
+
+def _many_small_tree():
+    """A trainer-like file: hundreds of small datasets, strings and lists (mostly metadata)."""
+    return {
+        "model": {f"layer{i}": {"w": torch.full((8, 8), float(i)), "b": torch.arange(8) + i} for i in range(60)},
+        "train_step_info": {"optimization_step": 12, "step": 24},
+        "user_dict": C.encode_user_dict({"names": [f"n{i}" for i in range(40)], "epoch": 3, "note": "é" * 100}),
+    }
+
+
+@pytest.mark.faults
+def test_damage_sweep_780_cases_over_three_files(saved, tmp_path):
+    """The long sweep (make test-faults): 780 more cases over a large-array file, a metadata-heavy file and a
+    format-version-1 (CRC-32) fixture, each in a child that may crash or hang without hiding the case."""
+    small = tmp_path / "small.ortcp"
+    C.save(_many_small_tree(), small)
+    v1 = tmp_path / "v1.ortcp"
+    v1.write_bytes((FIXTURES / "format_v1" / "tree_crc32.ortcp").read_bytes())
+    total = Counter()
+    for source, seed, count in ((saved, 1, 100), (small, 2, 100), (v1, 3, 100)):
+        cases = _cases(source.stat().st_size, seed, count)
+        total += _check(run_cases(source, cases, tmp_path), cases)
+    assert sum(total.values()) >= 780, total
+    print(f"{sum(total.values())} damaged files: {dict(total)}")
 
 
 def _damage(path, offset, xor=0xFF):

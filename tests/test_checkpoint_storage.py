@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import zlib
 
+import google_crc32c
 import h5py
 import numpy as np
 import pytest
 import torch
-from ort_trainer.checkpoint.format import _h5_writer
+from ort_trainer.checkpoint.format import _atomic
 
 from ort_trainer import checkpoint as C
 
@@ -226,8 +226,8 @@ def test_failed_save_leaves_old_file_and_no_temp_file(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(_h5_writer, "write_header", boom)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(_atomic, "write_header", boom)
+    with pytest.raises(C.CheckpointWriteError, match="cannot save .*c.ortcp: disk full .simulated."):
         C.save({"v": 2, "t": torch.ones(1000)}, path, overwrite=True)
     assert C.load(path) == {"v": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ortcp"]
@@ -241,13 +241,16 @@ def test_bad_targets(tmp_path):
 
 
 def test_cleanup_temp_files(tmp_path):
-    stray = tmp_path / ".c.ortcp.tmp-123-0123abcd"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stray = tmp_path / f".c.ortcp.tmp-{dead.pid}-0123abcd"
     stray.write_bytes(b"partial")
     keep = tmp_path / ".c.ortcp.tmp-notours"
     keep.write_bytes(b"x")
-    C.save({"v": 1}, tmp_path / "c.ortcp")
     assert C.cleanup_temp_files(tmp_path, older_than_s=3600) == []
     assert C.cleanup_temp_files(tmp_path) == [stray]
+    stray.write_bytes(b"partial")
+    C.save({"v": 1}, tmp_path / "c.ortcp")  # a save removes them too
     assert sorted(p.name for p in tmp_path.iterdir()) == [keep.name, "c.ortcp"]
 
 
@@ -305,7 +308,7 @@ def test_newer_version_and_foreign_format(tmp_path):
     for name, fmt, version in [("new.h5", C.FORMAT_NAME, 7), ("other.h5", "someone.else", 1)]:
         with h5py.File(tmp_path / name, "w") as f:
             f.attrs["ort_trainer.format"], f.attrs["ort_trainer.format_version"] = fmt, version
-    with pytest.raises(C.CheckpointVersionError, match=r"new.h5 has checkpoint format version 7, newer .* \(1\)"):
+    with pytest.raises(C.CheckpointVersionError, match=r"new.h5 has checkpoint format version 7, newer .* \(2\)"):
         C.load(tmp_path / "new.h5")
     with pytest.raises(C.CheckpointFormatError, match=r"other.h5: root attribute ort_trainer.format='someone.else'"):
         C.load(tmp_path / "other.h5")
@@ -429,7 +432,7 @@ def test_golden_layout(legacy_shaped):
             "ort_trainer.library_version",
             "ort_trainer.tree_crc32",
         ]
-        assert (f.attrs["ort_trainer.format"], f.attrs["ort_trainer.format_version"]) == ("ort_trainer.checkpoint", 1)
+        assert (f.attrs["ort_trainer.format"], f.attrs["ort_trainer.format_version"]) == ("ort_trainer.checkpoint", 2)
         assert isinstance(f.attrs["ort_trainer.library_version"], str)
         assert f.attrs["ort_trainer.tree_crc32"].dtype == np.uint32
         layout = {}
@@ -438,10 +441,10 @@ def test_golden_layout(legacy_shaped):
         for name, (dtype, shape, py_type) in GOLDEN.items():
             ds = layout[name]
             assert (ds.dtype.str, ds.shape, ds.attrs["py_type"]) == (dtype, shape, py_type), name
-            assert sorted(ds.attrs.keys()) == ["crc32", "py_type"], name
+            assert sorted(ds.attrs.keys()) == ["crc32c", "py_type"], name
             assert ds.chunks is None and ds.compression is None, name
-            expected_crc = zlib.crc32(ds.asstr()[()].encode()) if dtype == "|O" else zlib.crc32(ds[()].tobytes())
-            assert ds.attrs["crc32"] == expected_crc, name
+            raw = ds.asstr()[()].encode() if dtype == "|O" else ds[()].tobytes()
+            assert ds.attrs["crc32c"] == google_crc32c.value(raw), name
         assert f["optimizer/fc1.bias/Update_Count"][()].tolist() == [9]
         assert f["trainer_options/optimizer_name"][()] == b"AdamOptimizer"  # what legacy readers get
 

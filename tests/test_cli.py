@@ -81,7 +81,7 @@ def test_inspect_text_lists_tree_options_step_info_and_user_dict(full):
     result = run("inspect", full[0])
     assert result.returncode == 0 and result.stderr == ""
     out = result.stdout
-    assert "format version 1" in out
+    assert "format version 2" in out
     assert "model/full_precision/w1" in out and "(16, 14)" in out and "float32" in out and " 896" in out
     assert "optimizer/w1/Update_Count" in out and "int64" in out
     assert "optimizer_name=AdamOptimizer" in out and "world_size=1" in out and "zero_stage=0" in out
@@ -95,7 +95,7 @@ def test_inspect_json_of_a_rank_file_and_its_manifest(zero_set):
     result = run("inspect", "--json", paths[1], manifest)
     assert result.returncode == 0, result.stderr
     rank1, summary = json.loads(result.stdout)
-    assert rank1["kind"] == "checkpoint" and rank1["format_version"] == 1 and rank1["legacy"] is False
+    assert rank1["kind"] == "checkpoint" and rank1["format_version"] == 2 and rank1["legacy"] is False
     assert rank1["trainer_options"]["world_rank"] == 1 and rank1["trainer_options"]["zero_stage"] == 1
     assert rank1["distributed"]["run_id"] == "run-1" and rank1["lr_scheduler"] == {"base_lr": 0.001, "last_step": 8}
     tree = {e["key"]: e for e in rank1["tree"]}

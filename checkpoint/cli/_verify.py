@@ -1,8 +1,9 @@
 """``ort-trainer-ckpt verify``: checksums, manifest completeness and rank-set coverage, one line per problem.
 
 Checks, in order, for each manifest given: its rank files' presence, sizes and CRC-32s
-(:func:`check_manifest`); then for every file: it opens (header, structure) and every dataset's
-CRC-32 matches (:meth:`CheckpointReader.verify`); then the rank files of one save (a manifest's, or
+(:func:`check_manifest`); then for every file: it opens (header, structure, size bounds) and every
+dataset's checksum matches (:meth:`CheckpointReader.verify`), and its ``trainer_options`` (if any) are
+valid; then the rank files of one save (a manifest's, or
 the loose files whose ``world_size`` > 1) form one complete, consistent set: the aggregation's own
 metadata-only checks (:func:`read_rank_set`, :func:`plan_aggregation`), no tensor is read.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..format import _schema as S
 from ..format._h5_reader import CheckpointReader, open_checkpoint
+from ..format._schema import TrainerOptionsRecord
 from ..sets._aggregate import _FileSource
 from ..sets._manifest import Manifest, check_manifest, is_manifest, read_manifest
 from ..sets._partition import plan_aggregation
@@ -108,7 +110,19 @@ def _verify_file(path: Path, report: VerifyReport, stack: ExitStack) -> Checkpoi
     except CheckpointError as exc:
         for line in _damaged_datasets(reader) or error_items(exc):
             report.fail(line)
+        return reader
+    _check_options(reader, report)
     return reader
+
+
+def _check_options(reader: CheckpointReader, report: VerifyReport) -> None:
+    """A ``trainer_options`` group must be what aggregation and ``load_checkpoint`` accept."""
+    if S.TRAINER_OPTIONS_KEY not in reader:
+        return
+    try:
+        TrainerOptionsRecord.from_tree(reader.read(S.TRAINER_OPTIONS_KEY))
+    except (ValueError, TypeError) as exc:
+        report.fail(f"{reader.path}: {exc}")
 
 
 def _damaged_datasets(reader: CheckpointReader) -> list[str]:

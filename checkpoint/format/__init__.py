@@ -1,10 +1,14 @@
 """One checkpoint file: the HDF5 format (see ``FORMAT.md`` beside this file).
 
 - ``_schema``: key names, attribute names and typed records (the only place they are spelled);
-- ``_codec``: one value <-> one HDF5 dataset, key escaping, checksums;
+- ``_codec``: one value <-> one HDF5 dataset, key escaping;
+- ``_checksum``: per-dataset checksums (CRC-32C; CRC-32 for format version 1) and their verification;
 - ``_header``: the checksummed header in the HDF5 user block, checked before HDF5 parses anything;
 - ``_h5_lowlevel`` / ``_h5_index``: fast h5py calls, and the one-pass safety scan + structure digest;
+- ``_h5_checks``: what a dataset may be (no filters, sizes bounded by the file, attributes that fit);
 - ``_h5_writer`` / ``_h5_stream``: atomic saves of a tree / of values produced one at a time;
+- ``_atomic`` / ``_tempfile``: one save's locked temporary file, raw writes, space reservation,
+  publish, disk-full errors, and the removal of stale temporary files;
 - ``_h5_reader``: validated, checksummed reading (whole tree, one key, or straight into a buffer);
 - ``_user_dict``: the pickle-free encoding of ``user_dict``;
 - ``_storage``: the small storage interface the trainer talks to (HDF5 and in-memory).

@@ -1,4 +1,4 @@
-"""How one value maps to one HDF5 dataset and back; key escaping; checksums.
+"""How one value maps to one HDF5 dataset and back; key escaping (checksums: ``_checksum``).
 
 Shared by the writer and the reader so both sides agree on every marker. Array payloads are
 never copied here: a CPU tensor becomes a zero-copy numpy view at write time.
@@ -6,9 +6,7 @@ never copied here: a CPU tensor becomes a zero-copy numpy view at write time.
 
 from __future__ import annotations
 
-import os
 import re
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +17,9 @@ import torch
 from . import _schema as S
 
 __all__ = [
-    "CRC_WORKERS",
     "STR_DTYPE",
-    "THREADED_CRC_BYTES",
     "Leaf",
     "bits_dtype",
-    "crc32_array",
-    "crc32_strings",
     "decode_python_value",
     "encode_leaf",
     "escape_key",
@@ -35,10 +29,6 @@ __all__ = [
 ]
 
 STR_DTYPE = h5py.string_dtype("utf-8")
-# Checksums of arrays at least this big run on worker threads, overlapping HDF5 I/O (zlib releases
-# the GIL); below it the thread hand-off costs more than the checksum.
-THREADED_CRC_BYTES = 1 << 20
-CRC_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 # torch dtypes numpy cannot represent: stored as unsigned integers of the same width (the bits),
 # with ATTR_TORCH_DTYPE naming the real dtype. The name list doubles as the allow-list on read.
@@ -199,18 +189,6 @@ def leaf_array(leaf: Leaf) -> Any:
     if isinstance(data, np.ndarray) and (not data.dtype.isnative or not data.flags.c_contiguous):
         return np.asarray(data, dtype=data.dtype.newbyteorder("="), order="C")  # keeps 0-d arrays 0-d
     return data
-
-
-def crc32_array(array: np.ndarray, value: int = 0) -> int:
-    """CRC-32 (zlib) of an array's raw bytes in C order; ``value`` continues a running checksum."""
-    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8), value)
-
-
-def crc32_strings(values: list[str] | str) -> int:
-    """CRC-32 of utf-8 strings: a scalar's bytes, or each element's bytes followed by NUL."""
-    if isinstance(values, str):
-        return zlib.crc32(values.encode("utf-8"))
-    return zlib.crc32(b"".join(v.encode("utf-8") + b"\x00" for v in values))
 
 
 def bits_dtype(torch_dtype_name: str) -> tuple[torch.dtype, torch.dtype] | None:

@@ -1,4 +1,4 @@
-"""Walk an open HDF5 file once: refuse unsafe objects, index the tree, digest its structure.
+"""Walk an open HDF5 file once: refuse unsafe objects (``_h5_checks``), index the tree, digest its structure.
 
 The index is metadata only (names, shapes, dtypes, our attributes); no dataset payload is read.
 The writer builds the same index while writing and stamps :func:`tree_digest` into the file; the
@@ -8,7 +8,6 @@ dtypes or attributes before any data is trusted.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,14 +22,11 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointFormatEr
 from . import _h5_lowlevel as ll
 from . import _schema as S
 from ._codec import unescape_key
+from ._h5_checks import StorageCheck, check_attrs
 
 __all__ = ["Node", "h5_guard", "load_attrs", "scan_file", "tree_digest"]
 
-# Built-in HDF5 filters (deflate, shuffle, fletcher32, szip, nbit, scale-offset). Anything else is
-# a plugin filter that HDF5 would look up and load as a shared library: refused.
-_BUILTIN_FILTERS = frozenset({1, 2, 3, 4, 5, 6})
 _MAX_DEPTH = 64
-_DATASET_ATTRS = (S.ATTR_CRC32, S.ATTR_PY_TYPE, S.ATTR_TORCH_DTYPE)
 # Exceptions h5py/numpy raise on damaged files; all become CheckpointCorruptError.
 _H5_ERRORS = (
     OSError,
@@ -78,29 +74,11 @@ class Node:
         return "/".join(self.key) or "/"
 
 
-def _check_dataset(dsid: h5d.DatasetID, h5path: str, filename: str, file_size: int) -> tuple[Any, np.dtype]:
-    """Refuse datasets that read other files or load plugins; catch sizes larger than the file."""
-    shape, dtype, virtual, external, filters = ll.dataset_layout(dsid)
-    if virtual:
-        raise CheckpointFormatError(f"{filename}: refusing virtual dataset '{h5path}' (it reads other files)")
-    if external:
-        raise CheckpointFormatError(f"{filename}: refusing dataset '{h5path}' with external storage {external}")
-    if any(f not in _BUILTIN_FILTERS for f in filters):
-        raise CheckpointFormatError(f"{filename}: refusing dataset '{h5path}' with non-builtin HDF5 filter {filters}")
-    if shape is not None and not filters and dtype.kind != "O":
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > file_size:
-            raise CheckpointCorruptError(
-                f"{filename}: dataset '{h5path}' claims {nbytes} bytes but the file has only {file_size}"
-            )
-    return shape, dtype
-
-
 class _Scanner:
     """Recursive walk holding the file name (for messages), the mode and the visited groups."""
 
-    def __init__(self, filename: str, ours: bool, file_size: int, eager_attrs: bool) -> None:
-        self.filename, self.ours, self.file_size, self.eager_attrs = filename, ours, file_size, eager_attrs
+    def __init__(self, filename: str, ours: bool, checks: StorageCheck, eager_attrs: str | None) -> None:
+        self.filename, self.ours, self.checks, self.eager_attrs = filename, ours, checks, eager_attrs
         self.visited: set[Any] = set()
 
     def name(self, h5name: str) -> str:
@@ -128,12 +106,12 @@ class _Scanner:
             obj = ll.open_object(gid, bname)
             node = Node(h5path, (*parent.key, self.name(h5name)), isinstance(obj, h5g.GroupID))
             if isinstance(obj, h5d.DatasetID):
-                node.shape, node.dtype = _check_dataset(obj, h5path, self.filename, self.file_size)
+                node.shape, node.dtype = self.checks.dataset(obj, h5path)
                 node.dataset = obj
                 if not self.ours:
                     node.attrs = {}
                 elif self.eager_attrs:
-                    load_attrs(node, self.filename)
+                    load_attrs(node, self.filename, self.eager_attrs)
             elif not node.is_group:
                 raise CheckpointFormatError(f"{self.filename}: refusing object '{h5path}' of type {type(obj).__name__}")
         if node.key[-1] in parent.children:
@@ -143,25 +121,34 @@ class _Scanner:
             self.group(obj, node, depth + 1)
 
 
-def scan_file(h5file: h5py.File, filename: str, *, ours: bool, file_size: int, eager_attrs: bool) -> Node:
-    """Index every object under the root, refusing links, external/virtual data and plugin filters.
+def scan_file(h5file: h5py.File, filename: str, *, ours: bool, file_size: int, eager_attrs: str | None) -> Node:
+    """Index every object under the root, refusing links and datasets that :class:`StorageCheck` refuses.
 
-    Dataset attributes are read now only with ``eager_attrs`` (needed for :func:`tree_digest`);
-    otherwise :func:`load_attrs` reads them when a dataset is first used (saves ~40% of the
-    open time for checkpoints with thousands of small tensors).
+    Dataset attributes are read now only with ``eager_attrs`` (the checksum attribute's name; needed for
+    :func:`tree_digest`); otherwise :func:`load_attrs` reads them when a dataset is first used (saves
+    ~40% of the open time for checkpoints with thousands of small tensors).
     """
     root = Node("/", (), True)
     with h5_guard(filename, "/"):
         root_id = h5g.open(h5file.id, b"/")
-    _Scanner(filename, ours, file_size, eager_attrs).group(root_id, root, 0)
+    checks = StorageCheck(filename, file_size)
+    try:
+        _Scanner(filename, ours, checks, eager_attrs).group(root_id, root, 0)
+    finally:
+        checks.close()
     return root
 
 
-def load_attrs(node: Node, filename: str) -> dict[str, Any]:
-    """The dataset's attributes (ours only), read once and cached on the node."""
+def load_attrs(node: Node, filename: str, checksum_attr: str) -> dict[str, Any]:
+    """The dataset's attributes (ours only), read once, checked against its data and cached on the node.
+
+    ``checksum_attr`` names the checksum attribute of the file's format version (``crc32c`` or ``crc32``).
+    """
     if node.attrs is None:
         with h5_guard(filename, node.h5path):
-            node.attrs = ll.read_attrs(node.dataset, _DATASET_ATTRS)
+            attrs = ll.read_attrs(node.dataset, (checksum_attr, S.ATTR_PY_TYPE, S.ATTR_TORCH_DTYPE))
+        check_attrs(attrs, node.shape, node.dtype, f"{filename}: dataset '{node.h5path}'", checksum_attr)
+        node.attrs = attrs
     return node.attrs
 
 

@@ -47,16 +47,21 @@ def create_group(parent: h5g.GroupID, name: str) -> h5g.GroupID:
 
 
 def create_array(parent: h5g.GroupID, name: str, data: np.ndarray | h5py.Empty) -> h5d.DatasetID:
-    """A contiguous dataset written straight from ``data`` (no copy for C-contiguous native arrays)."""
+    """A contiguous dataset for ``data``, its file space allocated now and left unwritten.
+
+    The caller writes the bytes itself at ``dsid.get_offset()`` (so that it checksums them on the way
+    and sees I/O errors at that call, not when HDF5 closes the file); HDF5 writes no fill values.
+    """
     dcpl = h5p.create(h5p.DATASET_CREATE)
     dcpl.set_obj_track_times(False)
     empty = isinstance(data, h5py.Empty)
+    if not empty:
+        dcpl.set_layout(h5d.CONTIGUOUS)
+        dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
     space = h5s.create(h5s.NULL) if empty else h5s.create_simple(data.shape)
     bname, lcpl = _name(name)
-    dsid = h5d.create(parent, bname, h5t.py_create(data.dtype, logical=1), space, dcpl=dcpl, lcpl=lcpl)
-    if not empty and data.size:
-        dsid.write(h5s.ALL, h5s.ALL, data)
-    return dsid
+    return h5d.create(parent, bname, h5t.py_create(data.dtype, logical=1), space, dcpl=dcpl, lcpl=lcpl)
 
 
 def write_attr(obj: h5o.ObjectID, name: str, value: str | int) -> None:

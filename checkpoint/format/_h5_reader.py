@@ -1,15 +1,15 @@
 """Validated, checksummed reading of HDF5 checkpoints (ours and the legacy ORTTrainer's).
 
 Opening validates in this order: file exists, is HDF5, opens, root attributes (format name and
-version), every object is safe (no links, external or virtual data, plugin filters), the structure
-digest matches. Only then is any payload read, and each payload is checked against its CRC-32.
+version), every object is safe (no links, external or virtual data, filters; sizes bounded by the file), the structure
+digest matches. Only then is any payload read, and each payload is checked against its checksum
+(CRC-32C since format version 2, CRC-32 in version 1).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,15 +26,9 @@ from ..errors import (
     CheckpointVersionError,
 )
 from . import _schema as S
-from ._codec import (
-    CRC_WORKERS,
-    THREADED_CRC_BYTES,
-    bits_dtype,
-    crc32_array,
-    crc32_strings,
-    decode_python_value,
-    numpy_to_torch_dtype,
-)
+from ._checksum import PendingChecks as _Checksums
+from ._checksum import for_version, streamed_checksum
+from ._codec import bits_dtype, decode_python_value, numpy_to_torch_dtype
 from ._h5_index import Node, h5_guard, load_attrs, scan_file, tree_digest
 from ._header import check_header
 
@@ -106,44 +100,11 @@ def _format_version(path: Path, attrs: dict[str, Any]) -> int:
     if fmt is not None and fmt != S.FORMAT_NAME:
         raise CheckpointFormatError(f"{path}: root attribute {S.ATTR_FORMAT}={fmt!r}, expected {S.FORMAT_NAME!r}")
     missing = sorted(set(S.ROOT_ATTRS) - set(attrs))
-    if missing or version != S.FORMAT_VERSION:
+    if missing or version not in S.SUPPORTED_FORMAT_VERSIONS:
         raise CheckpointCorruptError(
             f"{path}: damaged root attributes ({S.ATTR_FORMAT_VERSION}={version!r}, missing {missing})"
         )
     return version
-
-
-class _Checksums:
-    """Compare CRC-32s of what was read with the stored ones; large ones run on a worker thread."""
-
-    def __init__(self, filename: str, enabled: bool) -> None:
-        self.filename, self.enabled = filename, enabled
-        self.pool: ThreadPoolExecutor | None = None
-        self.pending: list[tuple[Node, int | Future[int]]] = []
-
-    def add(self, node: Node, data: Any) -> None:
-        if not self.enabled:
-            return
-        if isinstance(data, str | list):
-            self.pending.append((node, crc32_strings(data)))
-        elif isinstance(data, np.ndarray) and data.nbytes >= THREADED_CRC_BYTES:
-            self.pool = self.pool or ThreadPoolExecutor(max_workers=CRC_WORKERS, thread_name_prefix="ckpt-crc")
-            self.pending.append((node, self.pool.submit(crc32_array, data)))
-        else:
-            self.pending.append((node, 0 if data is None else crc32_array(data)))
-
-    def finish(self) -> None:
-        """Raise CheckpointCorruptError listing every dataset whose checksum does not match."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-        bad = []
-        for node, crc in self.pending:
-            got = crc.result() if isinstance(crc, Future) else crc
-            if node.attrs.get(S.ATTR_CRC32) != got:
-                bad.append(f"'{node.h5path}' (stored {node.attrs.get(S.ATTR_CRC32)}, computed {got})")
-        self.pending.clear()
-        if bad:
-            raise CheckpointCorruptError(f"{self.filename}: checksum mismatch in {len(bad)} dataset(s): {sorted(bad)}")
 
 
 class CheckpointReader:
@@ -165,11 +126,17 @@ class CheckpointReader:
                 attrs = {k: self._file.attrs[k] for k in S.ROOT_ATTRS if k in names}
                 self.attrs: dict[str, Any] = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
             self.format_version = _format_version(self.path, self.attrs)
+            self.checksum = for_version(self.format_version)  # None for legacy files
+            self._checksum_attr = self.checksum.attr if self.checksum else S.ATTR_CRC32C
             size = self.path.stat().st_size
             # The structure digest is needed only when no verified header already covered the metadata.
             digest = verify and not self.is_legacy and not has_header
             self._root = scan_file(
-                self._file, str(self.path), ours=not self.is_legacy, file_size=size, eager_attrs=digest
+                self._file,
+                str(self.path),
+                ours=not self.is_legacy,
+                file_size=size,
+                eager_attrs=self._checksum_attr if digest else None,
             )
             if digest and tree_digest(self._root, self.attrs) != self.attrs[S.ATTR_TREE_CRC32]:
                 raise CheckpointCorruptError(
@@ -194,6 +161,10 @@ class CheckpointReader:
         self.close()
 
     # ---- navigation and metadata -----------------------------------------------------------------
+    def _attrs(self, node: Node) -> dict[str, Any]:
+        """Our attributes of a dataset, checked against its data (CheckpointCorruptError if they disagree)."""
+        return load_attrs(node, str(self.path), self._checksum_attr)
+
     def _node(self, key: Key) -> Node:
         node, parts = self._root, split_key(key)
         for depth, part in enumerate(parts):
@@ -223,7 +194,7 @@ class CheckpointReader:
 
     def _info(self, node: Node) -> DatasetInfo:
         shape = () if node.shape is None else tuple(node.shape)
-        py_type = load_attrs(node, str(self.path)).get(S.ATTR_PY_TYPE)
+        py_type = self._attrs(node).get(S.ATTR_PY_TYPE)
         if not self.is_legacy and py_type in _PY_CLASSES:
             return DatasetInfo(shape if py_type in (S.PY_LIST, S.PY_TUPLE) else (), _PY_CLASSES[py_type])
         if self.is_legacy and (node.shape in (None, ()) or node.dtype.kind in "OSU"):
@@ -251,7 +222,7 @@ class CheckpointReader:
     # ---- reading ---------------------------------------------------------------------------------
     def _torch_dtype(self, node: Node) -> tuple[torch.dtype, torch.dtype | None]:
         """(dtype to return, bits dtype the file stores it as or None) for an array dataset."""
-        name = load_attrs(node, str(self.path)).get(S.ATTR_TORCH_DTYPE)
+        name = self._attrs(node).get(S.ATTR_TORCH_DTYPE)
         if name is not None and not self.is_legacy:
             pair = bits_dtype(str(name))
             if pair is None or numpy_to_torch_dtype(node.dtype) != pair[1]:
@@ -278,7 +249,7 @@ class CheckpointReader:
     def _read_value(self, node: Node, checks: _Checksums) -> Any:
         if self.is_legacy:
             return self._read_legacy(node, checks)
-        py_type = load_attrs(node, str(self.path)).get(S.ATTR_PY_TYPE)
+        py_type = self._attrs(node).get(S.ATTR_PY_TYPE)
         if py_type not in S.PY_TYPES:
             raise CheckpointCorruptError(f"{self.path}: '{node.h5path}' has no valid {S.ATTR_PY_TYPE} attribute")
         if py_type in _ARRAY_TYPES:
@@ -290,7 +261,11 @@ class CheckpointReader:
                 data = ds.asstr()[()] if node.dtype.kind == "O" else ds[()]
                 data = data.tolist() if isinstance(data, np.ndarray) and data.dtype.kind == "O" else data
             checks.add(node, data)
+        try:
             return decode_python_value(py_type, data)
+        except (ValueError, TypeError) as exc:
+            message = f"{self.path}: '{node.h5path}' does not hold a valid {py_type}: {exc}"
+            raise CheckpointCorruptError(message) from exc
 
     def _read_legacy(self, node: Node, checks: _Checksums) -> Any:
         if node.shape is None:
@@ -311,7 +286,7 @@ class CheckpointReader:
 
     def read(self, key: Key = None) -> Any:
         """Read the value (or nested dict) at ``key``, verifying checksums of everything read."""
-        checks = _Checksums(str(self.path), self.verify_checksums and not self.is_legacy)
+        checks = _Checksums(str(self.path), self.checksum if self.verify_checksums else None)
         try:
             value = self._read_tree(self._node(key), checks)
         finally:
@@ -342,20 +317,20 @@ class CheckpointReader:
                 f"{self.path}: cannot read '{node.keypath}' into tensor: stored shape {info.shape} dtype {info.dtype}, "
                 f"got shape {tuple(out.shape)} dtype {out.dtype}"
             )
-        checks = _Checksums(str(self.path), self.verify_checksums and not self.is_legacy)
+        checks = _Checksums(str(self.path), self.checksum if self.verify_checksums else None)
         self._read_array(node, checks, out)
         checks.finish()
         return out
 
     def verify(self, key: Key = None) -> int:
-        """Check the CRC-32 of every dataset under ``key``, streaming large ones in 16 MiB pieces.
+        """Check the checksum of every dataset under ``key``, streaming large ones in 16 MiB pieces.
 
         Returns how many datasets were checked (0 for a legacy file, which has no checksums).
         Raises CheckpointCorruptError listing every damaged dataset.
         """
         if self.is_legacy:
             return 0
-        checks, count = _Checksums(str(self.path), True), 0
+        checks, count = _Checksums(str(self.path), self.checksum), 0
         stack = [self._node(key)]
         while stack:
             node = stack.pop()
@@ -363,27 +338,14 @@ class CheckpointReader:
                 stack.extend(node.children.values())
                 continue
             count += 1
-            if load_attrs(node, str(self.path)).get(S.ATTR_PY_TYPE) not in _ARRAY_TYPES or node.shape in (None, ()):
+            if self._attrs(node).get(S.ATTR_PY_TYPE) not in _ARRAY_TYPES or node.shape in (None, ()):
                 self._read_value(node, checks)
                 continue
             with h5_guard(str(self.path), node.h5path):
-                checks.pending.append((node, _streamed_crc(h5py.Dataset(node.dataset))))
+                crc = streamed_checksum(h5py.Dataset(node.dataset), self.checksum, _VERIFY_CHUNK_BYTES)
+                checks.pending.append((node, crc))
         checks.finish()
         return count
-
-
-def _streamed_crc(ds: h5py.Dataset) -> int:
-    """CRC-32 of a dataset's bytes, read along axis 0 in pieces into one reused buffer."""
-    row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
-    rows = max(1, _VERIFY_CHUNK_BYTES // row_bytes)
-    buf = np.empty((min(rows, ds.shape[0]), *ds.shape[1:]), dtype=ds.dtype.newbyteorder("="))
-    crc = 0
-    for start in range(0, ds.shape[0], rows):
-        n = min(rows, ds.shape[0] - start)
-        if buf.size:
-            ds.read_direct(buf, np.s_[start : start + n], np.s_[0:n])
-        crc = crc32_array(buf[:n], crc)
-    return crc
 
 
 def _legacy_str(data: Any) -> Any:
@@ -410,7 +372,7 @@ def load(path: str | os.PathLike[str], key: Key = None, *, verify: bool = True) 
     contain '/'); only that subtree's datasets are read. Array data comes back as CPU
     ``torch.Tensor`` (the library is torch-first; numpy arrays saved come back as tensors too);
     python scalars, str, bytes, None, lists and tuples come back as themselves. With ``verify``
-    every dataset read is checked against its CRC-32 and the structure against the root digest.
+    every dataset read is checked against its checksum and the structure against the root digest.
     """
     with CheckpointReader(path, verify=verify) as reader:
         return reader.read(key)

@@ -25,7 +25,8 @@ __all__ = [
 
 # ---- format identity (root attributes) ----------------------------------------------------------
 FORMAT_NAME = "ort_trainer.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-dataset CRC-32C (attribute ATTR_CRC32C); 1: zlib CRC-32 (ATTR_CRC32), still read
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 LEGACY_FORMAT_VERSION = 0  # files without our root attributes: written by the legacy ORTTrainer
 
 ATTR_FORMAT = "ort_trainer.format"
@@ -35,7 +36,8 @@ ATTR_TREE_CRC32 = "ort_trainer.tree_crc32"
 ROOT_ATTRS = (ATTR_FORMAT, ATTR_FORMAT_VERSION, ATTR_LIBRARY_VERSION, ATTR_TREE_CRC32)
 
 # ---- per-dataset attributes ---------------------------------------------------------------------
-ATTR_CRC32 = "crc32"
+ATTR_CRC32 = "crc32"  # format version 1: zlib CRC-32 of the dataset's bytes
+ATTR_CRC32C = "crc32c"  # format version 2: CRC-32C (Castagnoli) of the dataset's bytes
 ATTR_PY_TYPE = "py_type"
 ATTR_TORCH_DTYPE = "torch_dtype"
 

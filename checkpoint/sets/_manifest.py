@@ -46,6 +46,7 @@ __all__ = [
 
 PathLike = str | os.PathLike[str]
 _CHUNK = 16 << 20
+_LISTED_MISSING = 64  # missing ranks are listed one by one only up to this many beyond the files present
 
 
 def rank_checkpoint_path(path: PathLike, rank: int, world_size: int, save_id: str | None = None) -> Path:
@@ -163,13 +164,26 @@ def _problems(data: Any) -> list[str]:
         problems += _entry_problems(i, entry)
     if problems:
         return problems
-    counts = Counter(e[S.MANIFEST_RANK_KEY] for e in files)
+    return _rank_problems([e[S.MANIFEST_RANK_KEY] for e in files], data[S.MANIFEST_WORLD_SIZE_KEY])
+
+
+def _rank_problems(ranks: list[int], world_size: int) -> list[str]:
+    """Duplicate, missing and out-of-range ranks; never builds anything of size ``world_size`` (untrusted)."""
+    counts = Counter(ranks)
+    problems = []
     if dups := sorted(r for r, c in counts.items() if c > 1):
         problems.append(f"ranks listed more than once: {dups}")
-    if missing := sorted(set(range(data[S.MANIFEST_WORLD_SIZE_KEY])) - set(counts)):
-        problems.append(f"ranks missing: {missing}")
-    if extra := sorted(set(counts) - set(range(data[S.MANIFEST_WORLD_SIZE_KEY]))):
-        problems.append(f"ranks outside world_size {data[S.MANIFEST_WORLD_SIZE_KEY]}: {extra}")
+    present = {r for r in counts if r < world_size}
+    if len(present) < world_size:
+        if world_size <= len(ranks) + _LISTED_MISSING:
+            problems.append(f"ranks missing: {sorted(set(range(world_size)) - present)}")
+        else:
+            problems.append(
+                f"world_size is {world_size} but only {len(ranks)} file(s) are listed: "
+                f"{world_size - len(present)} ranks missing"
+            )
+    if extra := sorted(r for r in counts if r >= world_size):
+        problems.append(f"ranks outside world_size {world_size}: {extra}")
     return problems
 
 

@@ -26,6 +26,7 @@ from ..format._schema import TrainerOptionsRecord
 __all__ = ["AggregationError", "RankMeta", "RankSet", "RankSource", "StateSource", "read_rank_set"]
 
 Key = tuple[str, ...]
+_LISTED_MISSING = 64  # missing ranks are listed one by one only up to this many beyond the files present
 
 
 class AggregationError(CheckpointError):
@@ -195,11 +196,18 @@ def _coverage(metas: Sequence[RankMeta]) -> list[str]:
     for rank in sorted(r for r, ms in by_rank.items() if len(ms) > 1):
         labels = sorted(m.label for m in by_rank[rank])
         problems.append(f"rank {rank} appears {len(labels)} times: {', '.join(labels)}")
-    missing = sorted(set(range(opts.world_size)) - set(by_rank))
-    if missing:
+    world = opts.world_size  # from the files: never build anything of this size before it is bounded
+    present = {rank for rank in by_rank if 0 <= rank < world}
+    if len(present) < world and world <= len(metas) + _LISTED_MISSING:
+        missing = sorted(set(range(world)) - present)
         problems.append(
-            f"missing rank(s) {missing} of world_size {opts.world_size} (got {_where(metas)}); "
+            f"missing rank(s) {missing} of world_size {world} (got {_where(metas)}); "
             "pass the file of every rank of the save"
+        )
+    elif len(present) < world:
+        problems.append(
+            f"world_size {world} but only {len(metas)} rank file(s) given ({_where(metas)}): "
+            f"{world - len(present)} ranks missing; pass the file of every rank of the save"
         )
     return problems
 

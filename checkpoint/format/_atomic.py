@@ -1,0 +1,222 @@
+"""The life of one save's file: a locked temporary file, written, reserved, stamped, synced, published.
+
+Order inside :func:`save_atomically`: remove stale temporary files in the folder, create and lock the
+temporary file, let the caller fill it (:func:`write_checkpoint_file`: HDF5 writes the metadata, the
+array bytes are written here with their checksum computed on the way, the whole file's space is
+reserved before HDF5 flushes its metadata, then the header is stamped and the file fsynced), publish it
+under the final name in one atomic step, fsync the folder.
+
+Why the array bytes do not go through HDF5: an I/O error inside HDF5 (a full disk) can surface when it
+closes a dataset or the file, and HDF5 then keeps handles that crash the process when freed. Here every
+byte HDF5 still has to write at close lies in space reserved beforehand (``posix_fallocate``), HDF5's
+sieve buffer is off (its raw writes reach the file at the call), and a full disk shows up as an
+``OSError`` from our own ``pwrite`` or ``posix_fallocate``: it becomes a :class:`CheckpointWriteError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+from collections.abc import Callable
+from functools import cache
+from importlib import metadata
+from pathlib import Path
+
+import h5py
+import numpy as np
+from h5py import h5d, h5f, h5p
+
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
+from . import _schema as S
+from ._checksum import CRC32C
+from ._h5_index import Node, tree_digest
+from ._header import userblock_size, write_header
+from ._tempfile import LockedTempFile, remove_stale_temp_files, temp_path
+
+__all__ = ["RawWriter", "fsync_path", "publish", "save_atomically", "write_checkpoint_file"]
+
+CHECKSUM = CRC32C  # what every new file carries (format version 2)
+_ERRNO_IN_TEXT = re.compile(r"errno = (\d+)")
+_REASONS = {
+    errno.ENOSPC: "no space left on device (ENOSPC)",
+    errno.EDQUOT: "disk quota exceeded (EDQUOT)",
+    errno.EFBIG: "file size limit exceeded (EFBIG: the file system's largest file, or RLIMIT_FSIZE)",
+}
+
+
+@cache
+def library_version() -> str:
+    """Version of the installed ort_trainer distribution (stamped into every file)."""
+    try:
+        return metadata.version("ort_trainer")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class RawWriter:
+    """Writes array bytes straight into the temporary file, checksumming each piece as it goes out."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.ranges: list[tuple[int, int]] = []  # (offset, length) of the array bytes written
+
+    def write(self, dsid: h5d.DatasetID, array: np.ndarray) -> int:
+        """Write ``array`` into the space HDF5 allocated for ``dsid``; return the array's checksum."""
+        if array.nbytes == 0:
+            return 0
+        offset = dsid.get_offset()
+        if offset is None or dsid.get_storage_size() != array.nbytes:
+            raise RuntimeError(f"HDF5 allocated {dsid.get_storage_size()} bytes at {offset} for {array.nbytes}")
+        crc, pos = 0, offset
+        for piece in CHECKSUM.pieces(array):
+            crc = CHECKSUM.extend(crc, piece)  # the piece is still in the cache when it is written
+            _pwrite_all(self.fd, piece, pos)
+            pos += len(piece)
+        self.ranges.append((offset, array.nbytes))
+        return crc
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset}")
+        view, offset = view[written:], offset + written
+
+
+def _gaps(end: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (offset, length) pieces of [0, end) that ``ranges`` do not cover."""
+    gaps, pos = [], 0
+    for offset, length in sorted(ranges):
+        if offset > pos:
+            gaps.append((pos, offset - pos))
+        pos = max(pos, offset + length)
+    if end > pos:
+        gaps.append((pos, end - pos))
+    return gaps
+
+
+def _reserve(fd: int, end: int, written: list[tuple[int, int]]) -> None:
+    """Allocate every byte of [0, end) that was not written yet, so that HDF5's last writes cannot fail."""
+    for offset, length in _gaps(end, written):
+        try:
+            os.posix_fallocate(fd, offset, length)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+
+
+def _create_h5(path: Path, ub_size: int) -> h5py.File:
+    fapl = h5p.create(h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5f.LIBVER_EARLIEST, h5f.LIBVER_LATEST)  # h5py's default: readable by HDF5 1.8+
+    fapl.set_sieve_buf_size(0)  # raw writes reach the file at the call, none is left for close
+    fapl.set_file_locking(False, True)  # the save holds its own lock on the file
+    fcpl = h5p.create(h5p.FILE_CREATE)
+    fcpl.set_userblock(ub_size)
+    fcpl.set_obj_track_times(False)
+    return h5py.File(h5f.create(os.fsencode(path), h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
+
+
+def write_checkpoint_file(
+    tmp: LockedTempFile, max_leaves: int, write_body: Callable[[h5py.File, RawWriter], Node]
+) -> None:
+    """Fill the locked temporary file: ``write_body(f, raw) -> root index`` creates every object; then
+    the root attributes, the structure digest, the space reservation, the header and an fsync."""
+    ub_size = userblock_size(max_leaves)
+    raw = RawWriter(tmp.fd)
+    f = _create_h5(tmp.path, ub_size)
+    try:
+        root = write_body(f, raw)
+        root_attrs = {
+            S.ATTR_FORMAT: S.FORMAT_NAME,
+            S.ATTR_FORMAT_VERSION: S.FORMAT_VERSION,
+            S.ATTR_LIBRARY_VERSION: library_version(),
+        }
+        f.attrs.update(root_attrs)
+        f.attrs[S.ATTR_TREE_CRC32] = np.uint32(tree_digest(root, root_attrs))
+        _reserve(tmp.fd, f.id.get_filesize(), raw.ranges)
+    except BaseException:
+        _close_quietly(f)
+        raise
+    f.close()
+    write_header(tmp.path, ub_size, raw.ranges)
+    os.fsync(tmp.fd)
+
+
+def _close_quietly(f: h5py.File) -> None:
+    """Close after a failure; a second error from HDF5 here would only hide the first one."""
+    with contextlib.suppress(Exception):
+        f.close()
+
+
+def fsync_path(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Give the finished temp file its final name atomically; refuse to replace unless asked."""
+    if overwrite:
+        os.replace(tmp, path)
+    else:
+        try:
+            os.link(tmp, path)  # atomic "create if absent": closes the race with a concurrent writer
+        except FileExistsError:
+            raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it") from None
+        except OSError:  # file system without hard links
+            if path.exists():
+                raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it") from None
+            os.replace(tmp, path)
+        else:
+            os.unlink(tmp)
+    try:
+        fsync_path(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        pass  # some file systems cannot fsync a directory; the rename itself is still atomic
+
+
+def write_error(path: Path, tmp: Path, exc: BaseException) -> CheckpointWriteError:
+    """A CheckpointWriteError for an OS/HDF5 failure while saving ``path`` (errno kept where known)."""
+    number = exc.errno if isinstance(exc, OSError) and exc.errno else None
+    if number is None and (found := _ERRNO_IN_TEXT.search(str(exc))):
+        number = int(found[1])
+    detail = " ".join(str(exc).split())
+    detail = detail if len(detail) <= 240 else detail[:240] + "..."
+    reason = _REASONS.get(number) or (f"{os.strerror(number)} (errno {number})" if number else detail)
+    message = (
+        f"cannot save {path}: {reason}, while writing the temporary file {tmp.name}; it was removed and "
+        f"{path} was left as it was (detail: {type(exc).__name__}: {detail})"
+    )
+    return CheckpointWriteError(number, message, str(path))
+
+
+def _is_io_error(exc: BaseException) -> bool:
+    """OS errors, and HDF5's I/O failures (h5py raises some of them as RuntimeError)."""
+    if isinstance(exc, CheckpointError):
+        return False
+    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and bool(_ERRNO_IN_TEXT.search(str(exc))))
+
+
+def save_atomically(path: Path, overwrite: bool, write: Callable[[LockedTempFile], None]) -> None:
+    """Run ``write(tmp)`` on a fresh locked temporary file next to ``path``, then publish it as ``path``.
+
+    Any failure removes the temporary file and leaves ``path`` as it was; OS and HDF5 I/O failures
+    (a full disk, a file size limit) are raised as :class:`CheckpointWriteError`.
+    """
+    remove_stale_temp_files(path.parent)
+    tmp_name = temp_path(path)
+    try:
+        with LockedTempFile(tmp_name) as tmp:
+            write(tmp)
+            publish(tmp.path, path, overwrite)
+            tmp.keep()
+    except BaseException as exc:
+        if _is_io_error(exc):
+            raise write_error(path, tmp_name, exc) from exc
+        raise

@@ -1,0 +1,44 @@
+"""The per-dataset checksums: CRC-32C (format version 2) and zlib CRC-32 (version 1), by the standard check values."""
+
+from __future__ import annotations
+
+import zlib
+
+import google_crc32c
+import numpy as np
+import pytest
+from ort_trainer.checkpoint.format import _checksum as K
+from ort_trainer.checkpoint.format import _schema as S
+
+
+def test_standard_check_values():
+    data = np.frombuffer(b"123456789", dtype=np.uint8)
+    assert K.CRC32C.array(data) == 0xE3069283  # CRC-32C (Castagnoli) of "123456789"
+    assert K.CRC32.array(data) == 0xCBF43926  # CRC-32 (zlib) of "123456789"
+    assert K.CRC32C.strings("123456789") == 0xE3069283
+    assert K.CRC32C.strings(["12345", "789"]) == google_crc32c.value(b"12345\x00789\x00")
+    assert (K.CRC32C.attr, K.CRC32.attr) == ("crc32c", "crc32")
+    assert K.for_version(2) is K.CRC32C and K.for_version(1) is K.CRC32 and K.for_version(0) is None
+    assert K.for_version(S.FORMAT_VERSION) is K.CRC32C
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (K.PIECE_BYTES // 4 + 3,), (700, 900)])
+def test_array_pieces_and_running_values_agree_with_the_library(shape):
+    array = np.random.default_rng(1).random(shape).astype(np.float32)
+    raw = array.tobytes()
+    assert K.CRC32C.array(array) == google_crc32c.value(raw)
+    assert K.CRC32.array(array) == zlib.crc32(raw)
+    running = 0
+    for piece in K.CRC32C.pieces(array):  # what the writer does: piece by piece as the bytes go out
+        assert piece.nbytes <= K.PIECE_BYTES
+        running = K.CRC32C.extend(running, piece)
+    assert running == google_crc32c.value(raw)
+    assert K.CRC32C.array(array[::-1].copy(), K.CRC32C.array(array)) == google_crc32c.value(raw + array[::-1].tobytes())
+
+
+def test_fallback_without_the_native_function_gives_the_same_values(monkeypatch):
+    array = np.random.default_rng(2).random(3 * K.PIECE_BYTES // 8 + 5)
+    native = K.CRC32C.array(array)
+    assert K._native_crc32c() is not None, "google_crc32c's C function was not found: arrays would be copied"
+    monkeypatch.setattr(K, "_native_crc32c", lambda: None)
+    assert K.CRC32C.array(array) == native == google_crc32c.value(array.tobytes())
