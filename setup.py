@@ -37,7 +37,7 @@ setup(
         "numpy",
         "h5py",
         "tqdm",
-        "google-crc32c",
+        "crc32c",
     ],
     extras_require={
         # checkpoints at fsspec URLs (memory://, file://, ...); s3:// needs s3fs too
