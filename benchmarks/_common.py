@@ -24,8 +24,10 @@ import torch
 import ort_trainer._build as _build
 from ort_trainer import ORTTrainer, optim
 from ort_trainer._export import export_torch_model
+from ort_trainer._gradient_fixes import expand_where_inputs
 from ort_trainer._graph_passes import add_optional_outputs
 from ort_trainer._native_logs import quiet_native_info_logs
+from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
 from ort_trainer.model_desc import validate_model_desc
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
@@ -143,38 +145,16 @@ def session_options(
 
 
 # ------------------------------------------------------------------------------------------ rewrites
-def library_applies_rewrites() -> bool:
-    """True once `_build.py` calls `_graph_rewrites.apply_rewrites` itself (the proposed hook)."""
-    return hasattr(_build, "apply_rewrites")
-
-
 @contextlib.contextmanager
 def graph_rewrites(enabled: bool) -> Iterator[None]:
-    """Force the forward-graph rewrites on or off while an `ORTTrainer` builds its engine (first step)."""
-    from ort_trainer._graph_rewrites import apply_rewrites
-
-    if library_applies_rewrites():
-        saved = _build.apply_rewrites
-        _build.apply_rewrites = apply_rewrites if enabled else (lambda model: 0)
-        try:
-            yield
-        finally:
-            _build.apply_rewrites = saved
-        return
+    """Force the CPU speed rewrites (forward and training graph) on or off while an `ORTTrainer` builds."""
+    saved = _build.apply_forward_rewrites, _build.apply_training_rewrites
     if not enabled:
-        yield
-        return
-    saved = _build.add_optional_outputs
-
-    def rewrite_then_add(model):
-        apply_rewrites(model)
-        return saved(model)
-
-    _build.add_optional_outputs = rewrite_then_add
+        _build.apply_forward_rewrites = _build.apply_training_rewrites = lambda model: 0
     try:
         yield
     finally:
-        _build.add_optional_outputs = saved
+        _build.apply_forward_rewrites, _build.apply_training_rewrites = saved
 
 
 # ------------------------------------------------------------------------------------------ contenders
@@ -191,6 +171,23 @@ def torch_step(spec: ModelSpec, model: torch.nn.Module, adamw: str = "fused") ->
         *inputs, label = batch
         opt.zero_grad(set_to_none=True)
         loss = spec.loss_fn(model(*inputs), label)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def compiled_step(spec: ModelSpec, model: torch.nn.Module) -> Step:
+    """``torch.compile(model)`` (inductor, default mode) for forward + backward; the fused AdamW stays eager."""
+    compiled = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(compiled.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    forward = torch.compile(compiled)
+
+    def step(batch):
+        *inputs, label = batch
+        opt.zero_grad(set_to_none=True)
+        loss = spec.loss_fn(forward(*inputs), label)
         loss.backward()
         opt.step()
         return loss
@@ -223,12 +220,32 @@ def forward_graph(
     exported = export_torch_model(copy.deepcopy(model), spec.loss_fn, desc, sample, 17)
     forward = exported.model
     if rewrites:
-        from ort_trainer._graph_rewrites import apply_rewrites
-
-        apply_rewrites(forward)
+        apply_forward_rewrites(forward)
     add_optional_outputs(forward)
-    params = [n for n in dict.fromkeys(exported.fqn_to_onnx.values()) if n not in exported.buffers | exported.no_grad]
+    present = {init.name for init in forward.graph.initializer}
+    params = [
+        n
+        for n in dict.fromkeys(exported.fqn_to_onnx.values())
+        if n in present and n not in exported.buffers | exported.no_grad
+    ]
+    expand_where_inputs(forward, set(params))  # as ORTTrainer's build does
     return forward, params
+
+
+@contextlib.contextmanager
+def _gradient_fixes_in_onnxblock() -> Iterator[None]:
+    """ORTTrainer's fix for ORT's broadcast-gradient bug (`_gradient_fixes.forget_unnamed_dims`), also for the
+    bare loop's ``generate_artifacts``: without it HF BERT's gradient graph aborts the process."""
+    from onnxruntime.training.onnxblock import blocks
+
+    from ort_trainer._gradient_fixes import forget_unnamed_dims
+
+    original = blocks.Block.infer_shapes_on_base
+    blocks.Block.infer_shapes_on_base = lambda self: forget_unnamed_dims(original(self))
+    try:
+        yield
+    finally:
+        blocks.Block.infer_shapes_on_base = original
 
 
 class BareOrt:
@@ -241,7 +258,7 @@ class BareOrt:
         forward, params = forward_graph(spec, model, first, rewrites)
         self._dir = tempfile.TemporaryDirectory(prefix="bare_ort_")
         out = Path(self._dir.name)
-        with quiet_native_info_logs():
+        with quiet_native_info_logs(), _gradient_fixes_in_onnxblock():
             artifacts.generate_artifacts(
                 forward,
                 requires_grad=params,
@@ -250,6 +267,10 @@ class BareOrt:
                 optimizer=artifacts.OptimType.AdamW,  # betas 0.9/0.999, eps 1e-6, weight decay 0, no clip_grad
                 artifact_directory=out,
             )
+        if rewrites:  # the same training-graph rewrites ORTTrainer applies
+            training = onnx.load(str(out / "training_model.onnx"))
+            apply_training_rewrites(training)
+            onnx.save(training, str(out / "training_model.onnx"))
         self.state = CheckpointState.load_checkpoint(str(out / "checkpoint"))
         self.module = Module(str(out / "training_model.onnx"), self.state, str(out / "eval_model.onnx"), "cpu", options)
         self.optimizer = Optimizer(str(out / "optimizer_model.onnx"), self.module)

@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py                 # LM, 2 threads, graph with and without rewrites
     python benchmarks/profile_step.py --rewrites off --steps 8 --top 15
+    python benchmarks/profile_step.py --model gpt2 --rewrites on    # HF GPT-2 (or bert), benchmarks/_hf.py
 
 ONNX Runtime side: the training session runs with ``SessionOptions.enable_profiling``; its JSON trace
 is parsed (``cat == "Node"`` kernel events after the warm-up runs) and kernel time is summed by op
@@ -29,11 +30,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import MODELS, ort_trainer_step, session_options, set_torch_threads, torch_step
+from benchmarks._hf import bert_spec, gpt2_spec
+
+SPECS = {**MODELS, "gpt2": gpt2_spec(), "bert": bert_spec()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="lm", choices=sorted(MODELS))
+    parser.add_argument("--model", default="lm", choices=sorted(SPECS))
     parser.add_argument("--threads", type=int, default=2, help="torch threads = ORT intra-op threads")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -158,6 +162,10 @@ FOCUS_OPS = (
     "LogSoftmax",
     "LogSoftmaxGrad_13",
     "GatherElementsGrad",
+    "GeluGrad",
+    "BiasGeluGrad_dX",
+    "FastGeluGrad",
+    "BiasFastGeluGrad_dX",
 )
 
 
@@ -169,11 +177,11 @@ def print_focus(result: dict) -> None:
     rows = [
         (name, ms)
         for name, ms in result["all_nodes"].items()
-        if name.split(" ", 1)[0] in FOCUS_OPS or " sce/" in name  # sce/: the decomposed cross-entropy
+        if name.split(" ", 1)[0] in FOCUS_OPS or " sce/" in name or " gelu_grad/" in name  # our rewrites' nodes
     ]
     if not rows:
         return
-    print(f"\nembedding/loss-related nodes ({sum(ms for _, ms in rows):.1f} ms/step in all)")
+    print(f"\nembedding/loss/GELU-gradient nodes ({sum(ms for _, ms in rows):.1f} ms/step in all)")
     for name, ms in sorted(rows, key=lambda r: -r[1])[:12]:
         print(f"  {name[:100]:100} {ms:8.1f}")
 
@@ -188,7 +196,7 @@ def print_ops(title: str, ops, total: float) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     set_torch_threads(args.threads)
-    spec = MODELS[args.model]
+    spec = SPECS[args.model]
     torch.manual_seed(0)
     model = spec.make()
     print(f"{spec.summary}; threads={args.threads}, {args.steps} profiled steps after {args.warmup} warm-up")

@@ -6,11 +6,12 @@
 
 Contenders (same model, initial weights, batches and AdamW hyper-parameters, see `_common`):
   pytorch          eager forward/backward + torch.optim.AdamW (fused CPU kernel by default)
+  compile          torch.compile(model) (inductor) forward/backward + the fused AdamW
   ort_api          onnxruntime.training.api Module + Optimizer (generate_artifacts, OptimType.AdamW;
                    its AdamWOptimizer uses adam_mode=1, the HF-transformers formula: same cost, and
                    its losses drift slightly from the other two, which match each other)
   ort_trainer      ORTTrainer on the same forward graph as ort_api
-  suffix +rw       on the forward graph after ort_trainer._graph_rewrites.apply_rewrites
+  suffix +rw       with the CPU graph rewrites of ort_trainer.graph (forward and training graph)
   suffix +nospin   ORT session.intra_op.allow_spinning=0 (+spin: =1; default: ORT's default, 1)
   suffix +stopspin ORT session.force_spinning_stop=1 (threads spin during Run, stop when it returns)
 
@@ -39,10 +40,18 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import MODELS, BareOrt, ort_trainer_step, session_options, set_torch_threads, torch_step
+from benchmarks._common import (
+    MODELS,
+    BareOrt,
+    compiled_step,
+    ort_trainer_step,
+    session_options,
+    set_torch_threads,
+    torch_step,
+)
 
 CONTENDERS = ("pytorch", "ort_api", "ort_trainer", "ort_api+rw", "ort_trainer+rw")
-BASES, SUFFIXES = ("pytorch", "ort_api", "ort_trainer"), ("+rw", "+nospin", "+spin", "+stopspin")
+BASES, SUFFIXES = ("pytorch", "compile", "ort_api", "ort_trainer"), ("+rw", "+nospin", "+spin", "+stopspin")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,6 +99,9 @@ def build_contenders(spec, names, args):
         rewrites = "+rw" in name
         if name == "pytorch":
             steps[name] = torch_step(spec, model, args.torch_adamw)
+            steps[name](first)
+        elif name == "compile":
+            steps[name] = compiled_step(spec, model)
             steps[name](first)
         elif name.startswith("ort_api"):
             bare = BareOrt(spec, model, options, rewrites, first)

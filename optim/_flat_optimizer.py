@@ -9,8 +9,9 @@ vectorised pass per parameter group, and keeps the optimizer state in flat buffe
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from numbers import Real
 from typing import Any
 
@@ -24,6 +25,9 @@ from .layout import FlatLayout
 __all__ = ["FlatOptimizer"]
 
 _ADAM, _LAMB, _SGD = "AdamOptimizer", "LambOptimizer", "SGDOptimizer"
+
+# CPU buffers up to this many elements are updated on one torch thread (see `_update_threads`).
+SINGLE_THREAD_NUMEL = 1 << 23
 
 
 class FlatOptimizer:
@@ -66,6 +70,7 @@ class FlatOptimizer:
         self._lamb_step = 1
         self._idle: frozenset[str] = frozenset()
         self._groups = self._plan([1] * len(layout))
+        self._threads = 1 if params.device.type == "cpu" and layout.numel <= SINGLE_THREAD_NUMEL else None
 
     # ------------------------------------------------------------------ planning
     def _hyper_parameters(self, index: int) -> dict[str, Any]:
@@ -129,6 +134,10 @@ class FlatOptimizer:
         Gradients are divided by s = N / max_norm_clip if clip and N > S * max_norm_clip, else by S.
         """
         lr, loss_scale = _positive_real("lr", lr, allow_zero=True), _positive_real("loss_scale", loss_scale)
+        with _update_threads(self._threads):
+            self._step(lr, loss_scale, clip, grad_norm)
+
+    def _step(self, lr: float, loss_scale: float, clip: bool, grad_norm: float | None) -> None:
         if self.kind == _SGD:
             _updates.sgd(self._buf, self._unscaled({0: loss_scale}), lr)
             return
@@ -254,6 +263,27 @@ class FlatOptimizer:
         if self.kind == _LAMB and _state.STEP in state.get(_state.SHARED, {}):
             self._lamb_step = _state.counter_value(state[_state.SHARED][_state.STEP])
         self._groups = self._plan(counts)
+
+
+@contextlib.contextmanager
+def _update_threads(threads: int | None) -> Iterator[None]:
+    """Run the update on at most ``threads`` torch (OpenMP) threads; None: torch's setting.
+
+    The update sits between two ONNX Runtime runs. A multi-threaded OpenMP region leaves its workers
+    spinning for a while after it ends (libgomp's default wait policy), on the cores ORT's intra-op
+    threads are about to use; on a busy machine a worker that is not scheduled stalls the whole region.
+    For small buffers one thread loses little (the update is memory-bound: 0.3 ms for 0.8M elements,
+    6.6 ms for 5.2M, measured) and avoids both; large ones keep torch's threads.
+    """
+    previous = torch.get_num_threads()
+    if threads is None or threads >= previous:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _positive_real(name: str, value: Any, allow_zero: bool = False) -> float:

@@ -19,11 +19,12 @@ from ._export import export_torch_model, onnx_model_parameters
 from ._fp16_support import model_op_types, provider_fp16_support
 from ._gradient_fixes import expand_where_inputs
 from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
-from ._graph_rewrites import apply_rewrites
 from ._input_checks import LabelSpec, find_label_inputs
+from ._memory import release_freed_memory
 from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
 from ._store import ParamStore, graph_state_names
+from .graph import apply_forward_rewrites, apply_training_rewrites
 from .model_desc import ModelDescription
 
 __all__ = ["Engine", "build_engine"]
@@ -82,7 +83,7 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
     graph_names = {onnx_name: name for onnx_name, name in graph_names.items() if onnx_name in present}
     label_specs = find_label_inputs(forward, request.desc.input_names)
     if request.device.torch_device.type == "cpu":  # rewrites of slow CPU gradient kernels; CUDA left as is
-        apply_rewrites(forward)
+        apply_forward_rewrites(forward)
     bn_stats = surface_batchnorm_statistics(forward)
     add_optional_outputs(forward)
     _save_graph(request, "model_after_graph_transforms_path", forward)
@@ -112,6 +113,7 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
         request.device,
         request.session_options,
     )
+    release_freed_memory()  # export/gradient-building scratch, which glibc would otherwise keep resident
     return Engine(
         store=store,
         session=session,
@@ -139,6 +141,8 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
     known = set(request.desc.output_names) | set(backprop)
     outputs = backprop + _loss_first(request.desc) + [o.name for o in forward.graph.output if o.name not in known]
     train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
+    if request.device.torch_device.type == "cpu":  # slow single-threaded gradient kernels; CUDA left as is
+        apply_training_rewrites(train_model)
     if mixed is not None:
         strip_loss_scaling(eval_model, mixed)
     return train_model, eval_model, loss_scale_input

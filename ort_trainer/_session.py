@@ -2,7 +2,8 @@
 
 `TrainingSession` is the modern stand-in for the legacy backend session. Parameters and gradient
 buffers are views of two flat torch tensors, handed to ONNX Runtime zero-copy through DLPack and
-bound once to an `IOBinding`; a step binds only the user inputs and the outputs, then runs.
+bound once to an `IOBinding`; a step binds only the user inputs and the outputs it hands out
+(`_OutputBinding`), then runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as _C
 from onnxruntime.training import onnxblock
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ._gradient_fixes import forget_unnamed_dims
 from ._graph_passes import BatchNormStats, strip_batchnorm_statistics
@@ -24,6 +26,7 @@ from ._native_logs import quiet_native_info_logs
 __all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
 
 _LAZY_RESET = "lazy_reset_grad"
+_ACCUMULATOR_FLAG = "_grad.accumulation.out"  # onnxblock's InPlaceAccumulatorV2 outputs
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,77 @@ def resolve_device(device_id: str, provider_options: Mapping[str, Mapping] | Non
 
 def to_ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
     """Zero-copy OrtValue over a contiguous torch tensor. The caller keeps ``tensor`` alive."""
-    return ort.OrtValue(_C.OrtValue.from_dlpack(tensor.__dlpack__(), tensor.dtype == torch.bool))
+    return ort.OrtValue(_c_ortvalue(tensor))
 
 
-def _to_torch(value: ort.OrtValue) -> torch.Tensor:
-    return torch.utils.dlpack.from_dlpack(value._ortvalue.to_dlpack())
+def _c_ortvalue(tensor: torch.Tensor) -> _C.OrtValue:
+    """`to_ortvalue` without the Python wrapper (per-step binding: ``torch.Tensor.__dlpack__`` costs ~7 us)."""
+    if tensor.dtype == torch.bool:  # torch exports bool as DLPack code 6, which ORT 1.19 does not read
+        return _C.OrtValue.from_dlpack(to_dlpack(tensor.view(torch.uint8)), True)
+    return _C.OrtValue.from_dlpack(to_dlpack(tensor), False)
+
+
+def _to_torch(value: _C.OrtValue) -> torch.Tensor:
+    return from_dlpack(value.to_dlpack())
+
+
+_TORCH_DTYPES = {
+    "tensor(float)": torch.float32,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+    "tensor(double)": torch.float64,
+    "tensor(int64)": torch.int64,
+    "tensor(int32)": torch.int32,
+    "tensor(bool)": torch.bool,
+}
+
+
+class _OutputBinding:
+    """Binds a session's outputs once, so that a run allocates only the outputs it hands out.
+
+    Outputs nobody reads (the gradient accumulators' flags) are bound once to scratch memory. The ones
+    read after the run (``read``) need fresh memory every run, since the caller may keep last step's
+    tensors: scalars (the loss) are bound to a new ``torch.empty(())`` (no ORT allocation, no output
+    conversion); the others, whose declared shapes may be wrong where the exporter baked a dimension in,
+    are allocated by ORT (rebinding the name drops last run's buffer) and picked from the binding's
+    outputs, whose order is the order of first binding.
+    """
+
+    def __init__(self, session: ort.InferenceSession, io: ort.IOBinding, device: DeviceSpec, read: set[str]):
+        self._io, self._device = io, device
+        self._static: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self._dynamic: list[tuple[str, int]] = []  # (name, position among the bound outputs)
+        self._scratch: list[torch.Tensor] = []  # kept alive: ORT writes into them
+        for position, output in enumerate(session.get_outputs()):
+            shape, dtype = output.shape, _TORCH_DTYPES.get(output.type)
+            static = dtype is not None and all(isinstance(d, int) for d in shape)
+            if output.name in read and static and not shape:
+                self._static.append((output.name, (), dtype))
+            elif output.name in read:
+                self._dynamic.append((output.name, position))
+            if static and output.name.endswith(_ACCUMULATOR_FLAG):  # bound once, in graph order
+                self._scratch.append(torch.empty(shape, dtype=dtype, device=device.torch_device))
+                io.bind_ortvalue_output(output.name, to_ortvalue(self._scratch[-1]))
+            else:
+                io.bind_output(output.name, device.binding_type, device.binding_id)
+
+    def prepare(self) -> dict[str, torch.Tensor]:
+        """Bind fresh memory for the outputs to be read; returns the ones preallocated here."""
+        fresh = {}
+        for name, shape, dtype in self._static:
+            fresh[name] = torch.empty(shape, dtype=dtype, device=self._device.torch_device)
+            self._io._iobinding.bind_ortvalue_output(name, _c_ortvalue(fresh[name]))
+        for name, _ in self._dynamic:
+            self._io.bind_output(name, self._device.binding_type, self._device.binding_id)
+        return fresh
+
+    def collect(self, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """After the run: the preallocated outputs plus the ones ORT allocated."""
+        if self._dynamic:
+            values = self._io._iobinding.get_outputs()
+            for name, position in self._dynamic:
+                fresh[name] = _to_torch(values[position])
+        return fresh
 
 
 class _ExistingLoss(onnxblock.TrainingBlock):
@@ -123,13 +192,16 @@ class TrainingSession:
                 self._eval = ort.InferenceSession(eval_model.SerializeToString(), session_options, device.providers)
             finally:
                 session_options.optimized_model_filepath = dump
-        self._train_outputs = [o.name for o in self._train.get_outputs()]
-        self._eval_outputs = [o.name for o in self._eval.get_outputs()]
         self._reset_flags = {flag: np.array([flag]) for flag in (True, False)}  # kept alive: ORT shares them
         self._reset_values = {flag: ort.OrtValue.ortvalue_from_numpy(a) for flag, a in self._reset_flags.items()}
         state = {**params, **frozen}
         self._train_io = self._bind_state(self._train, state, grads)
         self._eval_io = self._bind_state(self._eval, state, {})
+        read = set(self._user_outputs) | {
+            name for s in self._bn_stats for name in (s.new_mean_output, s.new_var_output, s.input_shape_output)
+        }
+        self._train_out = _OutputBinding(self._train, self._train_io, device, read)
+        self._eval_out = _OutputBinding(self._eval, self._eval_io, device, read)
 
     @property
     def train_input_names(self) -> list[str]:
@@ -148,29 +220,27 @@ class TrainingSession:
     def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
         """One forward+backward; gradients accumulate into the bound buffers (overwrite if ``reset_grad``)."""
         io = self._train_io
-        io.bind_ortvalue_input(_LAZY_RESET, self._reset_values[bool(reset_grad)])
-        outputs = self._run(self._train, io, inputs, self._train_outputs)
-        self._update_batchnorm_statistics(outputs)
+        io._iobinding.bind_ortvalue_input(_LAZY_RESET, self._reset_values[bool(reset_grad)]._ortvalue)
+        outputs = self._run(self._train, io, inputs, self._train_out)
+        if self._bn_stats:
+            self._update_batchnorm_statistics(outputs)
         return {name: outputs[name] for name in self._user_outputs}
 
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        outputs = self._run(self._eval, self._eval_io, inputs, self._eval_outputs)
+        outputs = self._run(self._eval, self._eval_io, inputs, self._eval_out)
         return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
-    def _run(self, session, io, inputs, output_names) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _run(session, io, inputs, out: _OutputBinding) -> dict[str, torch.Tensor]:
         keep_alive = []
         for name, tensor in inputs.items():
             tensor = tensor.contiguous()
             keep_alive.append(tensor)
-            io.bind_ortvalue_input(name, to_ortvalue(tensor))
-        # Fresh outputs every run: ORT would otherwise reuse last run's buffers, which we handed out.
-        io.clear_binding_outputs()
-        for name in output_names:
-            io.bind_output(name, self._device.binding_type, self._device.binding_id)
+            io._iobinding.bind_ortvalue_input(name, _c_ortvalue(tensor))
+        fresh = out.prepare()
         session.run_with_iobinding(io)
-        values = io.get_outputs()
         del keep_alive
-        return {name: _to_torch(value) for name, value in zip(output_names, values, strict=True)}
+        return out.collect(fresh)
 
     def _update_batchnorm_statistics(self, outputs: Mapping[str, torch.Tensor]) -> None:
         """Write ORT's new running stats back, with PyTorch's unbiased variance (n/(n-1))."""

@@ -1,4 +1,4 @@
-"""`_graph_rewrites.apply_rewrites`: the rewritten graph's loss and gradients equal PyTorch's."""
+"""`ort_trainer.graph` speed rewrites: the rewritten graph's loss and gradients equal PyTorch's."""
 
 from __future__ import annotations
 
@@ -12,16 +12,20 @@ import torch
 
 from ort_trainer._export import export_torch_model
 from ort_trainer._graph_passes import add_optional_outputs
-from ort_trainer._graph_rewrites import apply_rewrites, decompose_softmax_cross_entropy, gather_to_gather_nd
 from ort_trainer._session import build_training_graphs
+from ort_trainer.graph import apply_forward_rewrites as apply_rewrites
+from ort_trainer.graph import decompose_softmax_cross_entropy, gather_to_gather_nd
 from ort_trainer.model_desc import validate_model_desc
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
 
 ce = torch.nn.functional.cross_entropy
 
 
-def _ort_loss_and_grads(model, loss_fn, desc, batch, rewrite):
-    """Export like ORTTrainer does, optionally rewrite, build the gradient graph, run it once."""
+def _ort_loss_and_grads(model, loss_fn, desc, batch, rewrite, train_rewrite=None):
+    """Export like ORTTrainer does, optionally rewrite, build the gradient graph (rewrite it too), run it once.
+
+    ``changed`` counts the nodes both rewrites replaced.
+    """
     desc = validate_model_desc(desc, require_loss=True)
     exported = export_torch_model(copy.deepcopy(model), loss_fn, desc, batch, 17)
     forward = exported.model
@@ -30,6 +34,7 @@ def _ort_loss_and_grads(model, loss_fn, desc, batch, rewrite):
     add_optional_outputs(forward)
     params = [n for n in dict.fromkeys(exported.fqn_to_onnx.values()) if n not in exported.buffers]
     train, _ = build_training_graphs(forward, params, [], list(desc.output_names))
+    changed += train_rewrite(train) if train_rewrite else 0
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = 2

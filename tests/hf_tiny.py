@@ -1,0 +1,67 @@
+"""Tiny Hugging Face models built from config objects (nothing downloaded), wrapped for ORTTrainer.
+
+The wrappers take ``(input_ids, attention_mask)`` and return logits; the loss is a separate ``loss_fn``.
+Eager attention, dropout 0: what the exporter turns into plain ONNX ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+transformers.logging.set_verbosity_error()  # configs without tokenizers warn about special token ids
+
+HF_DESC = {
+    "inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("label", ["batch", "seq"])],
+    "outputs": [("loss", [], True)],
+}
+HF_CLASSIFIER_DESC = {
+    "inputs": [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("label", ["batch"])],
+    "outputs": [("loss", [], True)],
+}
+
+
+class GPT2(torch.nn.Module):
+    def __init__(self, layers: int = 1, d_model: int = 16, vocab: int = 50, positions: int = 16):
+        super().__init__()
+        config = transformers.GPT2Config(
+            n_layer=layers, n_embd=d_model, n_head=2, vocab_size=vocab, n_positions=positions,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+        )  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+class BertClassifier(torch.nn.Module):
+    def __init__(self, layers: int = 1, d_model: int = 16, vocab: int = 50, positions: int = 16):
+        super().__init__()
+        config = transformers.BertConfig(
+            num_hidden_layers=layers, hidden_size=d_model, num_attention_heads=2, intermediate_size=4 * d_model,
+            vocab_size=vocab, max_position_embeddings=positions, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, attn_implementation="eager",
+        )  # fmt: skip
+        self.model = transformers.BertForSequenceClassification(config)
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def token_loss(logits, label):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), label.reshape(-1))
+
+
+def lm_batch(batch: int = 3, seq: int = 8, vocab: int = 50, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), torch.ones(batch, seq, dtype=torch.int64), tokens[:, 1:].contiguous()
+
+
+def classifier_batch(batch: int = 3, seq: int = 8, vocab: int = 50, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    mask[0, seq // 2 :] = 0  # one padded sequence
+    # ids from 1: the exported graph does not know nn.Embedding's padding_idx (0 in BERT), whose row torch
+    # never updates (reported separately; not what these tests are about)
+    return torch.randint(1, vocab, (batch, seq), generator=g), mask, torch.randint(0, 2, (batch,), generator=g)
