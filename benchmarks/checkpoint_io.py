@@ -1,7 +1,8 @@
 """Checkpoint I/O: save/load throughput, training-loop stall of a save (sync vs async), peak extra memory.
 
 One interleaved run on the same state (a real trainer's weights + Adam moments, ~113M float32 values =
-432 MiB by default), same disk, rounds interleaved, medians reported:
+432 MiB by default), same disk, rounds interleaved (the order reversed every other round, ``os.sync()``
+before each contender so that none pays for another's dirty pages), medians reported:
 
 * save: ORTTrainer ``save_checkpoint`` (HDF5, checksums, fsync of file + folder, atomic publish),
   ``torch.save`` + fsync, ``torch.save`` without fsync, safetensors ``save_file``, torch DCP ``save`` and
@@ -112,6 +113,9 @@ def fresh(path: Path) -> Path:
 
 
 def timed(fn):
+    # Every contender starts with no dirty page cache: otherwise the one after a no-fsync writer pays,
+    # in its own fsync, for writing back the previous contender's data (ext4 commits it together).
+    os.sync()
     start = time.perf_counter()
     with PeakRSS() as peak:
         result = fn()
@@ -130,8 +134,8 @@ class Results:
         return statistics.median(values) if values else None
 
 
-def io_round(trainer, target, reference, folder: Path, results: Results) -> None:
-    """One interleaved round of every save and load contender."""
+def io_round(trainer, target, reference, folder: Path, results: Results, reverse: bool = False) -> None:
+    """One round of every save and load contender; ``reverse`` runs them in the opposite order."""
     ours, pt, st = folder / "ours.ortcp", folder / "state.pt", folder / "state.safetensors"
     dcp_dir, dcp_async_dir = folder / "dcp", folder / "dcp_async"
     contenders = [
@@ -146,7 +150,7 @@ def io_round(trainer, target, reference, folder: Path, results: Results) -> None
         ("DCP save", lambda: dcp.save(reference, checkpoint_id=fresh(dcp_dir))),
         ("DCP async_save", lambda: dcp.async_save(reference, checkpoint_id=fresh(dcp_async_dir)).result()),
     ]
-    for name, fn in contenders:
+    for name, fn in reversed(contenders) if reverse else contenders:
         seconds, extra, _ = timed(fn)
         results.add(name, "save_s", seconds)
         results.add(name, "save_mem", extra)
@@ -156,7 +160,7 @@ def io_round(trainer, target, reference, folder: Path, results: Results) -> None
         ("safetensors save_file (no fsync)", lambda: safetensors.torch.load_file(st)),
         ("DCP save", lambda: dcp.load({k: torch.empty_like(v) for k, v in reference.items()}, checkpoint_id=dcp_dir)),
     ]
-    for name, fn in loads:
+    for name, fn in reversed(loads) if reverse else loads:
         seconds, extra, loaded = timed(fn)
         del loaded
         results.add(name, "load_s", seconds)
@@ -204,6 +208,7 @@ def stall_round(trainer, width: int, steps: int, folder: Path, results: Results)
     writer.wait_for_snapshot = timed_wait.__get__(writer)
     try:
         for name, save in contenders:
+            os.sync()
             elapsed, blocked = loop(save)
             results.add(name, "loop_s", elapsed)
             results.add(name, "blocked_s", blocked)
@@ -244,8 +249,8 @@ def run(args) -> None:
         folder = Path(tmp)
         first, steady = async_memory(trainer, folder, size)  # first: nothing else has run in this process yet
         stall_round(trainer, args.width, 2, folder, Results())  # warm-up (page cache, threads)
-        for _ in range(args.rounds):
-            io_round(trainer, target, reference, folder, results)
+        for round_index in range(args.rounds):
+            io_round(trainer, target, reference, folder, results, reverse=round_index % 2 == 1)
             stall_round(trainer, args.width, args.steps, folder, results)
         trainer.save_checkpoint(folder / "check.ortcp", async_save=True).wait()
         target.load_checkpoint(folder / "check.ortcp")

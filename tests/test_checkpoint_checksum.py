@@ -7,8 +7,11 @@ import zlib
 import google_crc32c
 import numpy as np
 import pytest
+import torch
 from ort_trainer.checkpoint.format import _checksum as K
 from ort_trainer.checkpoint.format import _schema as S
+
+from ort_trainer import checkpoint
 
 
 def test_standard_check_values():
@@ -50,3 +53,31 @@ def test_arrays_are_checksummed_in_place_without_a_copy():
         tracemalloc.stop()
     assert got == expected
     assert peak < (1 << 20), f"checksumming allocated {peak} bytes (a copy of the array?)"
+
+
+def test_reads_after_a_full_verify_do_not_checksum_again(tmp_path, monkeypatch):
+    """verify() of the whole file checks every dataset once; the reads that follow skip a second pass."""
+    from ort_trainer.checkpoint.format import _checksum
+
+    path = tmp_path / "c.ortcp"
+    tensors = {f"w{i}": torch.randn(300, 1000) for i in range(3)}
+    checkpoint.save(tensors, path)
+    calls = []
+    original = _checksum.Checksum.array
+
+    def counting(self, data, value=0):
+        calls.append(data.nbytes)
+        return original(self, data, value)
+
+    monkeypatch.setattr(_checksum.Checksum, "array", counting)
+    with checkpoint.open_checkpoint(path) as reader:
+        reader.read("w0")  # before verify(): checksummed
+        before = sum(calls)
+        assert before >= tensors["w0"].numel() * 4
+        assert reader.verify() == 3
+        verified = sum(calls)
+        assert verified - before >= sum(t.numel() * 4 for t in tensors.values())
+        out = torch.empty(300, 1000)
+        reader.read_into("w1", out)
+        assert torch.equal(reader.read("w2"), tensors["w2"]) and torch.equal(out, tensors["w1"])
+        assert sum(calls) == verified

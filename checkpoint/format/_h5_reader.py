@@ -46,7 +46,7 @@ _PY_CLASSES = {
     S.PY_LIST: list,
     S.PY_TUPLE: tuple,
 }
-_VERIFY_CHUNK_BYTES = 16 << 20
+_VERIFY_CHUNK_BYTES = 4 << 20  # pieces that stay in cache between the read and the checksum
 
 
 class DatasetInfo(NamedTuple):
@@ -119,6 +119,7 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         self.path = Path(os.fspath(path))
         self.verify_checksums = verify
+        self._verified_all = False  # set by a successful verify() of the whole file: reads skip checksums
         self._file, has_header = _open_h5(self.path, verify)
         try:
             with h5_guard(str(self.path), "/ (root attributes)"):
@@ -284,9 +285,19 @@ class CheckpointReader:
             return self._read_value(node, checks)
         return {name: self._read_tree(child, checks) for name, child in node.children.items()}
 
+    def _new_checks(self) -> _Checksums:
+        """Checks for one read: none when checksums are off or :meth:`verify` already checked every dataset.
+
+        The open file is the published one (saves replace a checkpoint by renaming, never in place), so
+        what a full ``verify()`` checked is what the reads that follow get; checksumming it again would
+        only cost a second pass over the data.
+        """
+        on = self.verify_checksums and not self._verified_all
+        return _Checksums(str(self.path), self.checksum if on else None)
+
     def read(self, key: Key = None) -> Any:
         """Read the value (or nested dict) at ``key``, verifying checksums of everything read."""
-        checks = _Checksums(str(self.path), self.checksum if self.verify_checksums else None)
+        checks = self._new_checks()
         try:
             value = self._read_tree(self._node(key), checks)
         finally:
@@ -317,7 +328,7 @@ class CheckpointReader:
                 f"{self.path}: cannot read '{node.keypath}' into tensor: stored shape {info.shape} dtype {info.dtype}, "
                 f"got shape {tuple(out.shape)} dtype {out.dtype}"
             )
-        checks = _Checksums(str(self.path), self.checksum if self.verify_checksums else None)
+        checks = self._new_checks()
         self._read_array(node, checks, out)
         checks.finish()
         return out
@@ -345,6 +356,8 @@ class CheckpointReader:
                 crc = streamed_checksum(h5py.Dataset(node.dataset), self.checksum, _VERIFY_CHUNK_BYTES)
                 checks.pending.append((node, crc))
         checks.finish()
+        if key is None or self._node(key) is self._root:
+            self._verified_all = True
         return count
 
 
