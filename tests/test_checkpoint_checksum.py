@@ -81,3 +81,22 @@ def test_reads_after_a_full_verify_do_not_checksum_again(tmp_path, monkeypatch):
         reader.read_into("w1", out)
         assert torch.equal(reader.read("w2"), tensors["w2"]) and torch.equal(out, tensors["w1"])
         assert sum(calls) == verified
+
+
+def test_a_file_modified_in_place_after_verify_is_checked_again(tmp_path):
+    """A `cp` over the file after verify(): the reads that follow checksum again and see the damage."""
+    import os
+
+    path = tmp_path / "c.ortcp"
+    checkpoint.save({"w": torch.arange(100_000, dtype=torch.float32)}, path)
+    with checkpoint.open_checkpoint(path) as reader:
+        reader.verify()
+        info = os.stat(path)
+        with open(path, "r+b") as fh:  # flip one byte of the array's data, in place
+            data = fh.read()
+            at = data.index(torch.tensor([50_000.0]).numpy().tobytes())
+            fh.seek(at)
+            fh.write(bytes([data[at] ^ 0xFF]))
+        os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000))
+        with pytest.raises(checkpoint.CheckpointCorruptError, match="checksum mismatch"):
+            reader.read("w")

@@ -119,7 +119,7 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         self.path = Path(os.fspath(path))
         self.verify_checksums = verify
-        self._verified_all = False  # set by a successful verify() of the whole file: reads skip checksums
+        self._verified_stat: tuple[int, ...] | None = None  # the file as a full verify() saw it (see _new_checks)
         self._file, has_header = _open_h5(self.path, verify)
         try:
             with h5_guard(str(self.path), "/ (root attributes)"):
@@ -288,12 +288,20 @@ class CheckpointReader:
     def _new_checks(self) -> _Checksums:
         """Checks for one read: none when checksums are off or :meth:`verify` already checked every dataset.
 
-        The open file is the published one (saves replace a checkpoint by renaming, never in place), so
-        what a full ``verify()`` checked is what the reads that follow get; checksumming it again would
-        only cost a second pass over the data.
+        Saves replace a checkpoint by renaming, never in place, so what a full ``verify()`` checked is
+        what the reads that follow get, and checksumming it again would only cost a second pass over
+        the data. Should the file have been modified in place since (a ``cp`` over it: its size or
+        modification time changed), reads check their checksums again.
         """
-        on = self.verify_checksums and not self._verified_all
+        on = self.verify_checksums and (self._verified_stat is None or self._verified_stat != self._stat())
         return _Checksums(str(self.path), self.checksum if on else None)
+
+    def _stat(self) -> tuple[int, ...] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def read(self, key: Key = None) -> Any:
         """Read the value (or nested dict) at ``key``, verifying checksums of everything read."""
@@ -357,7 +365,7 @@ class CheckpointReader:
                 checks.pending.append((node, crc))
         checks.finish()
         if key is None or self._node(key) is self._root:
-            self._verified_all = True
+            self._verified_stat = self._stat()
         return count
 
 
