@@ -4,7 +4,9 @@ Exporting with the TorchScript tracer and building the gradient graph churn thro
 (traced graphs, serialized protos, the build's copies of the weights) that are freed when the build
 ends, but glibc keeps freed heap pages in its arenas: the process's resident size stays ~150-200 MB
 higher for the whole run (measured on HF GPT-2, 5.2M parameters). ``malloc_trim(0)`` returns them;
-the trainer calls it once, after the first build. Elsewhere (musl, macOS, Windows) this does nothing.
+the trainer calls it once after the first build and once after the first training run (whose kernel
+initialisation and memory planning free another ~30 MB on HF BERT). Elsewhere (musl, macOS, Windows)
+this does nothing.
 """
 
 from __future__ import annotations

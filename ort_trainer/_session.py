@@ -21,6 +21,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ._gradient_fixes import forget_unnamed_dims
 from ._graph_passes import BatchNormStats, strip_batchnorm_statistics
+from ._memory import release_freed_memory
 from ._native_logs import quiet_native_info_logs
 
 __all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
@@ -183,6 +184,7 @@ class TrainingSession:
         self._user_outputs = list(user_outputs)
         self._bn_stats = list(bn_stats)
         self._frozen = frozen
+        self._trimmed = False  # one malloc_trim after the first training run (see run_train)
         strip_batchnorm_statistics(eval_model, self._bn_stats)
         dump = session_options.optimized_model_filepath  # debug.graph_save_paths: the training graph's, only
         with quiet_native_info_logs():
@@ -224,6 +226,11 @@ class TrainingSession:
         outputs = self._run(self._train, io, inputs, self._train_out)
         if self._bn_stats:
             self._update_batchnorm_statistics(outputs)
+        if not self._trimmed:
+            # The first run initialises kernels and plans memory, freeing ~30 MB of scratch that glibc would
+            # keep resident for the whole run (HF BERT: steady RSS 772 -> 743 MiB); give it back once.
+            self._trimmed = True
+            release_freed_memory()
         return {name: outputs[name] for name in self._user_outputs}
 
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
