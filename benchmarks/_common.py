@@ -21,13 +21,13 @@ import onnx
 import onnxruntime as ort
 import torch
 
-import ort_trainer._build as _build
+import ort_trainer.engine._build as _build
 from ort_trainer import ORTTrainer, optim
-from ort_trainer._export import export_torch_model
-from ort_trainer._gradient_fixes import expand_where_inputs
-from ort_trainer._graph_passes import add_optional_outputs
 from ort_trainer._native_logs import quiet_native_info_logs
 from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
+from ort_trainer.graph._export import export_torch_model
+from ort_trainer.graph._gradient_fixes import expand_where_inputs
+from ort_trainer.graph._passes import add_optional_outputs
 from ort_trainer.model_desc import validate_model_desc
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
@@ -238,7 +238,7 @@ def _gradient_fixes_in_onnxblock() -> Iterator[None]:
     bare loop's ``generate_artifacts``: without it HF BERT's gradient graph aborts the process."""
     from onnxruntime.training.onnxblock import blocks
 
-    from ort_trainer._gradient_fixes import forget_unnamed_dims
+    from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
 
     original = blocks.Block.infer_shapes_on_base
     blocks.Block.infer_shapes_on_base = lambda self: forget_unnamed_dims(original(self))

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import onnx
 import torch
 
-from ._forward import (
+from ort_trainer.graph._forward import (
     OutputContractError,
     OutputContractTypeError,
     bind_forward_inputs,
     model_input_names,
     module_for_export,
 )
+
 from .model_desc import ModelDescription
 
 __all__ = [

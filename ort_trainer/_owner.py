@@ -13,12 +13,12 @@ if TYPE_CHECKING:
     import onnx
     import torch
 
+    from ort_trainer.engine._build import Engine
+    from ort_trainer.engine._distributed import DistributedContext
+    from ort_trainer.engine._store import ParamStore
     from ort_trainer.optim.config import _OptimizerConfig
 
-    from ._build import Engine
     from ._checkpoint_io import CheckpointIO
-    from ._distributed import DistributedContext
-    from ._store import ParamStore
     from .model_desc import ModelDescription
     from .options import ORTTrainerOptions
     from .train_step_info import TrainStepInfo

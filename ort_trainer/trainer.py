@@ -19,19 +19,19 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.io import SaveHandle
+from ort_trainer.engine._build import BuildRequest, Engine, build_engine
+from ort_trainer.engine._distributed import DistributedContext
+from ort_trainer.engine._session import resolve_device
+from ort_trainer.engine._store import build_store
+from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
 from ort_trainer.optim.config import _OptimizerConfig
 
 from . import _state
-from ._build import BuildRequest, Engine, build_engine
 from ._checkpoint_io import CheckpointIO
 from ._checkpointing import load_trainer_checkpoint, save_trainer_checkpoint
-from ._distributed import DistributedContext
-from ._forward import bind_forward_inputs, model_input_names
 from ._input_checks import check_input_tensors, check_labels, explain_run_errors
 from ._names import outer_module
-from ._session import resolve_device
 from ._state import StateDictOptions
-from ._store import build_store
 from .model_desc import ModelDescription, check_inputs, validate_model_desc
 from .options import ORTTrainerOptions
 from .train_step_info import TrainStepInfo

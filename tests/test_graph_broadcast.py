@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
-from ort_trainer.graph import apply_forward_rewrites
+from ort_trainer.graph.rewrites import apply_forward_rewrites
 from tests.hf_tiny import HF_CLASSIFIER_DESC, BertClassifier, classifier_batch
 from tests.models import LM_DESC, lm_batches, lm_loss
 from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads

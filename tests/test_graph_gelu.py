@@ -12,7 +12,7 @@ import torch
 from onnx import TensorProto, helper
 
 from ort_trainer import ORTTrainer, optim
-from ort_trainer.graph import apply_forward_rewrites, decompose_gelu_grads
+from ort_trainer.graph.rewrites import apply_forward_rewrites, decompose_gelu_grads
 from tests.hf_tiny import GPT2, HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, classifier_batch, lm_batch, token_loss
 from tests.models import MLP_DESC, mlp_batches
 from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads

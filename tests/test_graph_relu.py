@@ -8,7 +8,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-from ort_trainer.graph import apply_forward_rewrites, decompose_relu_grads
+from ort_trainer.graph.rewrites import apply_forward_rewrites, decompose_relu_grads
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
 from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads
 

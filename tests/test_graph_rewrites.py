@@ -10,11 +10,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from ort_trainer._export import export_torch_model
-from ort_trainer._graph_passes import add_optional_outputs
-from ort_trainer._session import build_training_graphs
-from ort_trainer.graph import apply_forward_rewrites as apply_rewrites
-from ort_trainer.graph import decompose_softmax_cross_entropy, gather_to_gather_nd
+from ort_trainer.engine._session import build_training_graphs
+from ort_trainer.graph._export import export_torch_model
+from ort_trainer.graph._passes import add_optional_outputs
+from ort_trainer.graph.rewrites import apply_forward_rewrites as apply_rewrites
+from ort_trainer.graph.rewrites import decompose_softmax_cross_entropy, gather_to_gather_nd
 from ort_trainer.model_desc import validate_model_desc
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
 

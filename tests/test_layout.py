@@ -112,3 +112,20 @@ def test_checkpoint_package_shows_its_parts():
     rooms = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert {"format", "sets", "cli"} <= rooms
     assert (folder / "format" / "FORMAT.md").exists()
+
+
+def test_trainer_package_shows_its_parts_and_imports_go_one_way():
+    """graph/ (making the training graph) never imports engine/ (running it) or the state code."""
+    folder = _ROOTS["ort_trainer"]
+    rooms = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert {"graph", "engine", "_state"} <= rooms
+    assert (folder / "graph" / "rewrites" / "__init__.py").exists()
+    above = {
+        "ort_trainer.graph": ("ort_trainer.engine", "ort_trainer._state", "ort_trainer.trainer"),
+        "ort_trainer.engine": ("ort_trainer._state", "ort_trainer.trainer"),
+    }
+    for name, edges in _import_graph(type_checking=True).items():
+        for room, forbidden in above.items():
+            if name.startswith(room):
+                wrong = sorted(e for e in edges if e.startswith(forbidden))
+                assert not wrong, f"{name} imports {wrong}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-import ort_trainer._build as build_module
-import ort_trainer._session as session_module
+import ort_trainer.engine._build as build_module
+import ort_trainer.engine._session as session_module
 from ort_trainer import ORTTrainer, optim
 from tests.models import MLP, MLP_DESC, mlp_batches
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer import ORTTrainer, optim
-from ort_trainer._distributed import DistributedContext
+from ort_trainer.engine._distributed import DistributedContext
 from tests.models import MLP, MLP_DESC, mlp_batches
 from tests.test_distributed import _free_port, launch
 

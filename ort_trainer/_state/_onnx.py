@@ -13,7 +13,7 @@ from onnx import numpy_helper
 from .._owner import StateOwner
 
 if TYPE_CHECKING:
-    from .._build import Engine
+    from ort_trainer.engine._build import Engine
 
 __all__ = ["check_model_export", "eval_model_with_weights"]
 
@@ -35,7 +35,8 @@ def check_model_export(trainer: StateOwner, inputs: Sequence[torch.Tensor]) -> N
     """Compare the torch module's eval-mode outputs with the exported eval graph (rtol 1e-2, atol 1e-6)."""
     if not isinstance(trainer._model, torch.nn.Module):
         return
-    from .._forward import eval_outputs
+    from ort_trainer.graph._forward import eval_outputs
+
     from .._names import outer_module
 
     desc = trainer.model_desc

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer.checkpoint.format import _schema as K
+from ort_trainer.engine._store import ParamStore
 
 from .._owner import StateOwner
-from .._store import ParamStore
 
 __all__ = [
     "PendingRankCheck",

@@ -1,37 +1,17 @@
-"""Graph rewrites: each keeps the model's math (loss and gradients equal PyTorch's), one module per rewrite.
+"""The ONNX graphs of a training run: from a torch module to the graph ONNX Runtime trains.
 
-* Forward graph, before gradient building (`apply_forward_rewrites`, CPU only): `gather_to_gather_nd`,
-  `decompose_softmax_cross_entropy`: faster CPU kernels for the same values.
-* Training graph, after gradient building (`apply_training_rewrites`, CPU only): `decompose_gelu_grads`,
-  `decompose_relu_grads`: multi-threaded element-wise ops instead of single-threaded gradient kernels.
+* ``_export``: TorchScript export of the module (with the loss) and the ONNX-name <-> torch-name map;
+  ``_forward`` binds ``model_desc`` inputs to ``forward()`` by name for the export.
+* ``_passes``: small passes the gradient builder needs (optional outputs, BatchNorm statistics).
+* ``_gradient_fixes``: work-arounds for ONNX Runtime gradient-builder bugs that gave wrong gradients.
+* ``_mixed_precision`` / ``_fp16_support``: the fp16/bf16 graph and which ops a provider runs in it.
+* ``rewrites``: CPU speed rewrites that keep the math (each tested against PyTorch's gradients).
 
-tests/test_graph_rewrites.py, test_graph_gelu.py and test_graph_relu.py check each one against PyTorch.
+``ort_trainer.engine`` assembles these into sessions; nothing here runs a session for training.
 """
 
 from __future__ import annotations
 
-import onnx
+from .rewrites import apply_forward_rewrites, apply_training_rewrites
 
-from ._cross_entropy import decompose_softmax_cross_entropy
-from ._gather_nd import gather_to_gather_nd
-from ._gelu_grad import decompose_gelu_grads
-from ._relu_grad import decompose_relu_grads
-
-__all__ = [
-    "apply_forward_rewrites",
-    "apply_training_rewrites",
-    "decompose_gelu_grads",
-    "decompose_relu_grads",
-    "decompose_softmax_cross_entropy",
-    "gather_to_gather_nd",
-]
-
-
-def apply_forward_rewrites(model: onnx.ModelProto) -> int:
-    """The CPU speed rewrites of the forward graph, in place; returns the number of nodes replaced."""
-    return gather_to_gather_nd(model) + decompose_softmax_cross_entropy(model)
-
-
-def apply_training_rewrites(model: onnx.ModelProto) -> int:
-    """The CPU speed rewrites of the training (gradient) graph, in place; returns the number of nodes replaced."""
-    return decompose_gelu_grads(model) + decompose_relu_grads(model)
+__all__ = ["apply_forward_rewrites", "apply_training_rewrites"]

@@ -21,10 +21,10 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from ort_trainer._names import KeyMatcher, canonical_name
 from ort_trainer.optim import FlatLayout, FlatOptimizer
 
 from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
-from ._names import KeyMatcher, canonical_name
 
 __all__ = ["ModelState", "ParamStore", "build_store", "model_state"]
 
@@ -74,7 +74,7 @@ def model_state(model: torch.nn.Module | onnx.ModelProto) -> ModelState:
 
 
 def _onnx_state(model: onnx.ModelProto) -> ModelState:
-    from ._export import onnx_model_parameters
+    from ort_trainer.graph._export import onnx_model_parameters
 
     names = onnx_model_parameters(model)
     wanted = set(names)

@@ -129,7 +129,7 @@ def convert_to_mixed_precision(
     """A copy of ``forward`` with fp16 where ``support`` allows it, plus loss scaling. See the module doc.
 
     ``support`` maps ``(domain, op_type)`` to whether the provider runs it in float16
-    (`ort_trainer._fp16_support.provider_fp16_support`; missing = False).
+    (`ort_trainer.graph._fp16_support.provider_fp16_support`; missing = False).
     """
     model = copy.deepcopy(forward)
     graph = model.graph

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 import onnx
 import torch
 
+from ort_trainer._input_checks import explain_trace_failure
+from ort_trainer._names import outer_module, plain_module
+from ort_trainer.model_desc import ModelDescription
+
 from ._forward import ModelWithLoss, module_for_export
-from ._input_checks import explain_trace_failure
-from ._names import outer_module, plain_module
-from .model_desc import ModelDescription
 
 __all__ = ["ExportedModel", "export_torch_model", "onnx_model_parameters"]
 

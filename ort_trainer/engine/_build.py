@@ -15,17 +15,18 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from ._export import export_torch_model, onnx_model_parameters
-from ._fp16_support import model_op_types, provider_fp16_support
-from ._gradient_fixes import expand_where_inputs
-from ._graph_passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
-from ._input_checks import LabelSpec, find_label_inputs
+from ort_trainer._input_checks import LabelSpec, find_label_inputs
+from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
+from ort_trainer.graph._export import export_torch_model, onnx_model_parameters
+from ort_trainer.graph._fp16_support import model_op_types, provider_fp16_support
+from ort_trainer.graph._gradient_fixes import expand_where_inputs
+from ort_trainer.graph._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
+from ort_trainer.graph._passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
+from ort_trainer.model_desc import ModelDescription
+
 from ._memory import release_freed_memory
-from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
 from ._store import ParamStore, graph_state_names
-from .graph import apply_forward_rewrites, apply_training_rewrites
-from .model_desc import ModelDescription
 
 __all__ = ["Engine", "build_engine"]
 

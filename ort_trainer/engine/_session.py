@@ -19,10 +19,11 @@ from onnxruntime.capi import _pybind_state as _C
 from onnxruntime.training import onnxblock
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from ._gradient_fixes import forget_unnamed_dims
-from ._graph_passes import BatchNormStats, strip_batchnorm_statistics
+from ort_trainer._native_logs import quiet_native_info_logs
+from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
+from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
+
 from ._memory import release_freed_memory
-from ._native_logs import quiet_native_info_logs
 
 __all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
 
