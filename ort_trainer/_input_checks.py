@@ -30,6 +30,7 @@ __all__ = [
     "LabelSpec",
     "check_input_tensors",
     "check_labels",
+    "check_onnx_io",
     "explain_run_errors",
     "explain_run_failure",
     "explain_trace_failure",
@@ -281,3 +282,17 @@ def _explain_loss_failure(loss_fn: Callable, preds, name: str, label: torch.Tens
         f"loss_fn failed on the model's prediction ({predicted}) and input {name!r} ({_describe(label)}){hint}: "
         f"{error}"
     )
+
+
+def check_onnx_io(model: onnx.ModelProto, desc: ModelDescription) -> None:
+    """A user-given ONNX model must have every ``model_desc`` input and output (initializers are not inputs)."""
+    initializers = {init.name for init in model.graph.initializer}
+    graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
+    graph_outputs = [o.name for o in model.graph.output]
+    missing_in = [n for n in desc.input_names if n not in graph_inputs]
+    missing_out = [n for n in desc.output_names if n not in graph_outputs]
+    if missing_in or missing_out:
+        raise ValueError(
+            f"model_desc does not match the ONNX model: inputs {missing_in} / outputs {missing_out} are not in "
+            f"the graph (graph inputs {graph_inputs}, graph outputs {graph_outputs})"
+        )

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-import onnxruntime as ort
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.io import SaveHandle
-from ort_trainer.engine._build import BuildRequest, Engine, build_engine
+from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
 from ort_trainer.engine._session import resolve_device
 from ort_trainer.engine._store import build_store
@@ -29,7 +28,7 @@ from ort_trainer.optim.config import _OptimizerConfig
 from . import _state
 from ._checkpoint_io import CheckpointIO
 from ._checkpointing import load_trainer_checkpoint, save_trainer_checkpoint
-from ._input_checks import check_input_tensors, check_labels, explain_run_errors
+from ._input_checks import check_input_tensors, check_labels, check_onnx_io, explain_run_errors
 from ._names import outer_module
 from ._state import StateDictOptions
 from .model_desc import ModelDescription, check_inputs, validate_model_desc
@@ -93,7 +92,7 @@ class ORTTrainer:
         self._engine: Engine | None = None
         self._checkpoint_io: CheckpointIO | None = None  # created by the first save_checkpoint
         if isinstance(model, onnx.ModelProto):
-            _check_onnx_io(model, self.model_desc)
+            check_onnx_io(model, self.model_desc)
         # The whole state exists from here on (parameters, optimizer, frozen state), before any graph.
         self._store = build_store(
             model,
@@ -369,7 +368,7 @@ class ORTTrainer:
         except BaseException:
             self._engine = None
             raise
-        self.model_desc = _typed_description(self.model_desc, self._engine)  # legacy: dtypes known from now on
+        self.model_desc = self._engine.typed_description(self.model_desc)  # legacy: dtypes known from now on
         return self._engine
 
     def _update(self, engine: Engine, lr: float, accumulation: int, scaler=None) -> bool:
@@ -411,28 +410,12 @@ class ORTTrainer:
             store=self._store,
             opset_version=self.options._internal_use.onnx_opset_version,
             device=self._device,
-            session_options=self._session_options(),
+            session_options=session_options_for(self.options),
             graph_save_paths=self.options.debug.graph_save_paths,
             extra_postprocess=self.options._internal_use.extra_postprocess,
             zero_stage=self._zero_stage,
             mixed_precision=bool(self.options.mixed_precision.enabled),
         )
-
-    def _session_options(self) -> ort.SessionOptions:
-        given = self.options.session_options
-        options = given
-        if options is None:
-            options = ort.SessionOptions()
-            options.log_severity_level = 3  # ORT warns about every unused exporter constant otherwise
-            # ORT's spinning pool threads fight torch's OpenMP threads around the optimizer step (measured:
-            # MLP step 16.3 -> 10.7 ms on 2 cores). Users who pass session_options decide for themselves.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if self.options.debug.deterministic_compute:
-            options.use_deterministic_compute = True
-        optimized_path = self.options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
-        if optimized_path:
-            options.optimized_model_filepath = optimized_path
-        return options
 
     def _require_engine(self, what: str) -> Engine:
         if self._engine is None:
@@ -460,37 +443,6 @@ class ORTTrainer:
         names = fetches or [n for n in self.model_desc.output_names if n in outputs]
         results = [outputs[n] for n in names]
         return results[0] if len(results) == 1 else results
-
-
-def _check_onnx_io(model: onnx.ModelProto, desc: ModelDescription) -> None:
-    initializers = {init.name for init in model.graph.initializer}
-    graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
-    graph_outputs = [o.name for o in model.graph.output]
-    missing_in = [n for n in desc.input_names if n not in graph_inputs]
-    missing_out = [n for n in desc.output_names if n not in graph_outputs]
-    if missing_in or missing_out:
-        raise ValueError(
-            f"model_desc does not match the ONNX model: inputs {missing_in} / outputs {missing_out} are not in "
-            f"the graph (graph inputs {graph_inputs}, graph outputs {graph_outputs})"
-        )
-
-
-def _typed_description(desc: ModelDescription, engine: Engine) -> ModelDescription:
-    """``desc`` with the input dtypes the graph was built for and the output dtypes of the eval graph (legacy)."""
-    outputs = {o.name: o.type.tensor_type.elem_type for o in engine.eval_model.graph.output}
-    dtypes = {name: _TORCH_DTYPES[outputs[name]] for name in desc.output_names if outputs.get(name) in _TORCH_DTYPES}
-    return desc.with_input_dtypes(list(engine.input_dtypes)).with_output_dtypes(dtypes)
-
-
-_TORCH_DTYPES = {
-    onnx.TensorProto.FLOAT: torch.float32,
-    onnx.TensorProto.FLOAT16: torch.float16,
-    onnx.TensorProto.BFLOAT16: torch.bfloat16,
-    onnx.TensorProto.DOUBLE: torch.float64,
-    onnx.TensorProto.INT64: torch.int64,
-    onnx.TensorProto.INT32: torch.int32,
-    onnx.TensorProto.BOOL: torch.bool,
-}
 
 
 def _check_output_path(path: str | os.PathLike) -> Path:
