@@ -349,6 +349,7 @@ class CheckpointReader:
         """
         if self.is_legacy:
             return 0
+        before = self._stat()
         checks, count = _Checksums(str(self.path), self.checksum), 0
         stack = [self._node(key)]
         while stack:
@@ -365,7 +366,8 @@ class CheckpointReader:
                 checks.pending.append((node, crc))
         checks.finish()
         if key is None or self._node(key) is self._root:
-            self._verified_stat = self._stat()
+            # the file as it was when this verify began, and only if it did not change while it ran
+            self._verified_stat = before if before is not None and before == self._stat() else None
         return count
 
 
