@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,14 +20,9 @@ from ort_trainer.checkpoint.cli._main import main as cli
 from ort_trainer import ORTTrainer, checkpoint, optim
 from tests.models import MLP, MLP_DESC, mlp_batches
 from tests.paths import REPO
+from tests.ranks import free_port
 
 BATCHES = mlp_batches(4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +31,7 @@ def s3():
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     env = {

@@ -12,7 +12,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,17 +20,12 @@ from pathlib import Path
 import pytest
 
 from ort_trainer import checkpoint
+from tests.ranks import free_port
 
 pytestmark = pytest.mark.faults  # SIGKILL loops: part of `make test-faults`
 
 REPO = Path(__file__).resolve().parents[1]
 KILLS = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Helper:
@@ -90,7 +84,7 @@ def _kill_rounds(tmp_path: Path, world: int, mode: str, seed: int) -> None:
     rng, seen, advanced = random.Random(seed), None, 0
     try:
         for _ in range(KILLS):
-            port = _free_port()
+            port = free_port()
             for h in helpers:
                 h.send(f"go {port}")
             pids = [int(h.expect("pid")) for h in helpers]

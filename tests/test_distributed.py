@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,45 +11,16 @@ import torch
 from ort_trainer import checkpoint
 from tests.dist_worker import make_trainer
 from tests.models import mlp_batches
+from tests.ranks import free_port, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, out: Path, *args) -> list[dict]:
-    """Run `world` ranks of tests.dist_worker; kill them all on any failure or timeout."""
+    """Run `world` ranks of tests.dist_worker; each writes its state to ``out/rank<r>.h5``."""
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, "-m", "tests.dist_worker", "--out", str(out), *map(str, args)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        logs = [p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [
-        (r, p.returncode, log[-2500:]) for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode
-    ]
-    assert not failed, f"ranks failed: {failed}"
+    run_ranks(world, ["-m", "tests.dist_worker", "--out", str(out), *map(str, args)])
     return [checkpoint.load(out / f"rank{r}.h5") for r in range(world)]
 
 
@@ -190,7 +158,7 @@ def test_options_that_contradict_the_existing_process_group_are_rejected():
     from ort_trainer import ORTTrainer, optim
     from tests.models import MLP, MLP_DESC
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(
             ValueError, match="world_rank=1, world_size=2, but the existing default process group has rank 0 of 1"

@@ -7,15 +7,12 @@ gives every rank rank 0's exact weights and moments.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from ort_trainer import checkpoint
-from tests.test_distributed import _free_port
+from tests.ranks import run_ranks
 from tests.trees import assert_trees_equal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,33 +20,9 @@ TIMEOUT_S = 240
 
 
 def launch(world: int, out: Path, scenario: str) -> list[dict]:
-    """Run `world` ranks of tests.interop_worker; kill them all on any failure or timeout."""
+    """Run `world` ranks of tests.interop_worker; each writes its state to ``out/rank<r>.h5``."""
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, "-m", "tests.interop_worker", scenario, "--out", str(out)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        logs = [p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [
-        (r, p.returncode, log[-3000:]) for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if p.returncode
-    ]
-    assert not failed, f"ranks failed: {failed}"
+    run_ranks(world, ["-m", "tests.interop_worker", scenario, "--out", str(out)])
     return [checkpoint.load(out / f"rank{r}.h5") for r in range(world)]
 
 
