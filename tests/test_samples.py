@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from ort_trainer import checkpoint
+from tests.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -115,12 +115,6 @@ def test_sampling_is_seeded_and_temperature_zero_is_greedy():
 # and check that no process of the sample outlives it.
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _processes_mentioning(marker: str) -> list[int]:
     """Pids of live processes whose command line contains ``marker`` (the test's unique tmp folder)."""
     pids = []
@@ -198,7 +192,7 @@ def test_resume_sample_continues_bit_for_bit_after_sigkill(tmp_path):
 def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
     out = tmp_path / "out"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    launcher += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    launcher += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     command = [*launcher, str(ROOT / "samples" / "distributed_lm.py"), "--steps", "20", "--out", str(out)]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # gloo's own connections stay on the loopback interface too
     stdout, _ = _run_sample(command, tmp_path, timeout=180, env=env)

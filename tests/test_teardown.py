@@ -13,7 +13,8 @@ import torch.distributed as dist
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.engine._distributed import DistributedContext
 from tests.models import MLP, MLP_DESC, mlp_batches
-from tests.test_distributed import _free_port, launch
+from tests.ranks import free_port
+from tests.test_distributed import launch
 
 
 def test_two_rank_zero_run_exits_with_the_group_destroyed_by_the_exit_hook(tmp_path):
@@ -27,7 +28,7 @@ def test_two_rank_zero_run_exits_with_the_group_destroyed_by_the_exit_hook(tmp_p
 @pytest.fixture
 def rendezvous(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
