@@ -170,7 +170,11 @@ def diff_paths(path_a: Path, path_b: Path, atol: float, rtol: float) -> tuple[li
 
 # ---- the subcommand --------------------------------------------------------------------------------
 def _tolerance(text: str) -> float:
-    value = float(text)
+    """argparse type of --atol/--rtol: a number >= 0 (argparse names the option in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value

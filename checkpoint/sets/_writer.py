@@ -21,8 +21,8 @@ and the run id); :func:`write_set` may run on a background thread with a collect
 from __future__ import annotations
 
 import re
+import logging
 import uuid
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,6 +32,8 @@ from ..format import _schema as S
 from ..io._location import Location
 from ..io._transfer import FileRecord, read_manifest_at, write_file
 from ._manifest import Manifest, ManifestEntry, manifest_bytes, rank_file_name, split_suffix
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Collective", "SetPlan", "plan_set_save", "remove_set", "write_set"]
 
@@ -206,7 +208,7 @@ def _remove(loc: Location) -> None:
     try:
         loc.remove()
     except (OSError, CheckpointError) as exc:
-        warnings.warn(f"could not remove {loc.display}: {exc}", RuntimeWarning, stacklevel=3)
+        logger.warning("could not remove %s: %s", loc.display, exc)
 
 
 def remove_set(path: Location, comm_rank: int) -> list[str]:
