@@ -200,7 +200,8 @@ class CheckpointManager:
         unfinished = [s for s in read_index(self._index) if s not in complete and s > newest]
         for s in unfinished:
             logger.warning(
-                "skipping checkpoint %s (step %d): the save did not complete (killed or failed before it was published)",
+                "skipping checkpoint %s (step %d): the save did not complete "
+                "(killed or failed before it was published)",
                 self.directory.child(checkpoint_name(s)).display,
                 s,
             )

@@ -20,8 +20,8 @@ and the run id); :func:`write_set` may run on a background thread with a collect
 
 from __future__ import annotations
 
-import re
 import logging
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
