@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
+
+from ._lazy_torch import torch
 
 __all__ = [
     "FORMAT_NAME",

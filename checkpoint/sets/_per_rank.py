@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from ..format import _schema as S
+from ..format._lazy_torch import torch
 
 __all__ = ["per_rank_entries", "sections_that_differ"]
 

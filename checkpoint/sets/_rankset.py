@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from ..errors import CheckpointError
 from ..format import _schema as S
 from ..format._codec import numpy_to_torch_dtype
 from ..format._h5_reader import DatasetInfo
+from ..format._lazy_torch import torch
 from ..format._schema import TrainerOptionsRecord
 
 __all__ = ["AggregationError", "RankMeta", "RankSet", "RankSource", "StateSource", "read_rank_set"]
