@@ -175,7 +175,7 @@ class CheckpointReader:
         self.path = Path(os.fspath(path))
         self.verify_checksums = verify
         self._verified_stat: tuple[int, ...] | None = None  # the file as a full verify() saw it (see _new_checks)
-        self._as_numpy = False  # set by read(as_numpy=True) for the duration of that read
+        self._as_numpy: bool | str = False  # read(as_numpy=True) / verify() ("raw") for the duration of the call
         self._file, has_header = _open_h5(self.path, verify)
         try:
             with h5_guard(str(self.path), "/ (root attributes)"):
@@ -301,8 +301,8 @@ class CheckpointReader:
         if node.shape is None:
             raise CheckpointCorruptError(f"{self.path}: '{node.h5path}' holds no data but should hold an array")
         name, bits_name = self._dtype_names(node)
-        if self._as_numpy and out is None and bits_name is None:
-            array = result = np.empty(node.shape, dtype=np.dtype(name))
+        if out is None and (self._as_numpy == "raw" or (self._as_numpy and bits_name is None)):
+            array = result = np.empty(node.shape, dtype=np.dtype(bits_name or name))  # "raw": bits, for checksums
         else:
             dtype, bits = self._torch_dtype(node)
             result = out = torch.empty(node.shape, dtype=dtype) if out is None else out
@@ -432,7 +432,11 @@ class CheckpointReader:
                 continue
             count += 1
             if self._attrs(node).get(S.ATTR_PY_TYPE) not in _ARRAY_TYPES or node.shape in (None, ()):
-                self._read_value(node, checks)
+                self._as_numpy = "raw"  # only the checksum matters: no tensor (no torch) needed
+                try:
+                    self._read_value(node, checks)
+                finally:
+                    self._as_numpy = False
                 continue
             with h5_guard(str(self.path), node.h5path):
                 crc = streamed_checksum(h5py.Dataset(node.dataset), self.checksum, _VERIFY_CHUNK_BYTES)

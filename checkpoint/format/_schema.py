@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._lazy_torch import torch
+from ._lazy_torch import is_tensor
 
 __all__ = [
     "FORMAT_NAME",
@@ -151,7 +151,7 @@ TRAINER_OPTIONS_KEYS = (
 # ---- value coercion for records read from files (legacy files hold numpy/bytes values) -----------
 def _scalar(value: Any) -> Any:
     """Unwrap one-element tensors and arrays, numpy scalars and utf-8 bytes into python values."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if is_tensor(value) and value.numel() == 1:
         value = value.reshape(()).item()
     elif isinstance(value, np.ndarray) and value.size == 1:
         value = value.reshape(()).item()
@@ -256,7 +256,7 @@ class PartitionInfo:
         """Build from one weight's legacy ``partition_info`` entry (lists, arrays or tensors)."""
         _check_keys(tree, (ORIGINAL_DIM_KEY,), (MEGATRON_ROW_PARTITION_KEY, PARTITION_OFFSET_KEY), PARTITION_INFO_KEY)
         dims = tree[ORIGINAL_DIM_KEY]
-        dims = dims.tolist() if isinstance(dims, torch.Tensor | np.ndarray) else dims
+        dims = dims.tolist() if is_tensor(dims) or isinstance(dims, np.ndarray) else dims
         offset = tree.get(PARTITION_OFFSET_KEY)
         flag = tree.get(MEGATRON_ROW_PARTITION_KEY, -1)
         return cls(

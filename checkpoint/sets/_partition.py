@@ -58,9 +58,13 @@ class Pieces:
 class TensorItem:
     key: Key
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str  # 'float32': planning needs no torch (verify); ``dtype`` resolves it for assembly
     axis: int | None  # Megatron concat axis; None: every column holds the whole tensor
     columns: tuple[Copies | Pieces, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype_name)
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ class _Planner:
             return []
         if groups:
             return [ConstItem(key, {})]
-        tensor = self._consensus(key, {r: isinstance(i.dtype, torch.dtype) for r, i in leaves.items()}, "is a tensor")
+        tensor = self._consensus(key, {r: i.is_array for r, i in leaves.items()}, "is a tensor")
         if tensor is None:
             return []
         columns = self._columns(key, leaves) if kind == "param" else None
@@ -221,7 +225,7 @@ class _Planner:
             return []
         if not tensor:
             return [ValueItem(key, tuple(sorted(leaves)))]
-        dtype = self._consensus(key, {r: i.dtype for r, i in leaves.items()}, "dtype")
+        dtype = self._consensus(key, {r: i.dtype_name for r, i in leaves.items()}, "dtype")
         if dtype is None:
             return []
         if columns is not None:
@@ -292,7 +296,7 @@ class _Planner:
         return columns
 
     def _param_item(
-        self, key: Key, leaves: Mapping[int, DatasetInfo], holders: list[list[int]], dtype: torch.dtype
+        self, key: Key, leaves: Mapping[int, DatasetInfo], holders: list[list[int]], dtype: str
     ) -> list[Item]:
         name = key[2] if key[0] == S.MODEL_KEY else key[1]
         split = len(key) == 3 and (key[0] == S.MODEL_KEY or key[2] in S.SHARDED_OPTIMIZER_KEYS)
