@@ -240,7 +240,10 @@ def _safetensors() -> Any:
     try:
         import safetensors.torch
     except ImportError:
-        raise CheckpointFormatError("reading or writing .safetensors needs the 'safetensors' package") from None
+        raise CheckpointFormatError(
+            "reading or writing .safetensors needs the 'safetensors' package, which is not installed: install the "
+            '\'safetensors\' extra (pip install "ort_trainer[safetensors]", or pip install ".[safetensors]" in a clone)'
+        ) from None
     return safetensors.torch
 
 

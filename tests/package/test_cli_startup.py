@@ -20,17 +20,17 @@ from tests.test_checkpoint_aggregate import full_state, save_ranks
 
 HEAVY = ("torch", "onnxruntime", "onnx", "transformers", "safetensors", "fsspec")
 
-PROBE = """
+PROBE = f"""
 import sys
 from ort_trainer.checkpoint.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as exit_:  # --help and --version leave through argparse
     code = exit_.code
-heavy = [m for m in {heavy!r} if m in sys.modules]
+heavy = [m for m in {HEAVY!r} if m in sys.modules]
 print("HEAVY=" + ",".join(heavy), file=sys.stderr)
 sys.exit(code)
-""".format(heavy=HEAVY)
+"""
 
 
 def _probe(*args, cwd) -> tuple[int, str, list[str]]:
@@ -103,3 +103,28 @@ def test_debug_keeps_the_documented_exit_status(files):
     returncode, output, _ = _probe("--debug", "inspect", "missing.ortcp", cwd=files)
     assert returncode == 2, output
     assert "Traceback (most recent call last)" in output and "ort-trainer-ckpt: error: missing.ortcp" in output
+
+
+BLOCK_SAFETENSORS = """
+import sys
+class _NoSafetensors:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "safetensors":
+            raise ImportError("No module named 'safetensors'")
+sys.meta_path.insert(0, _NoSafetensors())
+from ort_trainer.checkpoint.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_convert_without_safetensors_names_the_extra(files, tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-c", BLOCK_SAFETENSORS, "convert", "a.ortcp", "-o", str(tmp_path / "a.safetensors")],
+        cwd=files,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.count("\n") == 1 and "install the 'safetensors' extra" in run.stderr, run.stderr
+    assert 'pip install "ort_trainer[safetensors]"' in run.stderr and not (tmp_path / "a.safetensors").exists()
