@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from ort_trainer.checkpoint import cli
 
 from ort_trainer import checkpoint as C
 from tests.paths import LEGACY_CHECKPOINT
@@ -87,16 +88,16 @@ def test_the_probe_sees_torch_where_a_command_needs_it(files, tmp_path):
     assert "torch" in heavy and torch.load(tmp_path / "a.pt", weights_only=True)["w1"].shape == (16, 14)
 
 
-def test_diff_of_bfloat16_values_is_numeric(files, tmp_path):
-    """bfloat16 has no numpy dtype: diff reads it through torch and widens it exactly."""
+def test_diff_of_bfloat16_values_is_numeric(tmp_path, capsys):
+    """bfloat16 has no numpy dtype: diff reads it through torch and widens it exactly (in-process: torch is here)."""
     a = {"model": {"full_precision": {"h": torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)}}}
     b = {"model": {"full_precision": {"h": torch.tensor([1.0, 2.0, 3.5], dtype=torch.bfloat16)}}}
     C.save(a, tmp_path / "a.ortcp")
     C.save(b, tmp_path / "b.ortcp")
-    returncode, output, _ = _probe("diff", "a.ortcp", "b.ortcp", cwd=tmp_path)
-    assert returncode == 1 and "max abs diff 0.5 (1 of 3 elements differ)" in output, output
-    returncode, output, _ = _probe("diff", "a.ortcp", "b.ortcp", "--atol", "0.5", cwd=tmp_path)
-    assert returncode == 0 and "are equal" in output, output
+    assert cli.main(["diff", str(tmp_path / "a.ortcp"), str(tmp_path / "b.ortcp")]) == 1
+    assert "max abs diff 0.5 (1 of 3 elements differ)" in capsys.readouterr().out
+    assert cli.main(["diff", str(tmp_path / "a.ortcp"), str(tmp_path / "b.ortcp"), "--atol", "0.5"]) == 0
+    assert "are equal" in capsys.readouterr().out
 
 
 def test_debug_keeps_the_documented_exit_status(files):
@@ -105,26 +106,10 @@ def test_debug_keeps_the_documented_exit_status(files):
     assert "Traceback (most recent call last)" in output and "ort-trainer-ckpt: error: missing.ortcp" in output
 
 
-BLOCK_SAFETENSORS = """
-import sys
-class _NoSafetensors:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "safetensors":
-            raise ImportError("No module named 'safetensors'")
-sys.meta_path.insert(0, _NoSafetensors())
-from ort_trainer.checkpoint.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def test_convert_without_safetensors_names_the_extra(files, tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-c", BLOCK_SAFETENSORS, "convert", "a.ortcp", "-o", str(tmp_path / "a.safetensors")],
-        cwd=files,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert run.stderr.count("\n") == 1 and "install the 'safetensors' extra" in run.stderr, run.stderr
-    assert 'pip install "ort_trainer[safetensors]"' in run.stderr and not (tmp_path / "a.safetensors").exists()
+def test_convert_without_safetensors_names_the_extra(files, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # `import safetensors` raises ImportError
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    assert cli.main(["convert", str(files / "a.ortcp"), "-o", str(tmp_path / "a.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "install the 'safetensors' extra" in err, err
+    assert 'pip install "ort_trainer[safetensors]"' in err and not (tmp_path / "a.safetensors").exists()
