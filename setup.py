@@ -75,10 +75,9 @@ setup(
     description="Train PyTorch or ONNX models on ONNX Runtime; HDF5 checkpoints with ZeRO/Megatron aggregation.",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    license="MIT",
+    license_expression="MIT",  # SPDX (PEP 639); compatible with ONNX Runtime (MIT) and PyTorch (BSD-3-Clause)
     license_files=["LICENSE"],
     classifiers=[
-        "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3.11",
         "Operating System :: POSIX :: Linux",
