@@ -121,6 +121,7 @@ def test_a_background_failure_is_raised_by_the_next_call_once(tmp_path, monkeypa
     assert checkpoint.load(tmp_path / "a.ortcp", key="train_step_info") == {"optimization_step": 2, "step": 2}
 
 
+LOG_FORMAT = 'import logging\nlogging.basicConfig(format="REC %(name)s %(levelname)s %(message)s")\n'
 EXIT_SCRIPT = """
 import sys, time, torch
 from ort_trainer import ORTTrainer, optim
@@ -144,7 +145,7 @@ print("returned", flush=True)   # the script ends here, with both saves still ru
 def test_process_exit_waits_for_unfinished_saves_and_reports_a_failure_nobody_saw(tmp_path):
     ok, failing = tmp_path / "exit.ortcp", tmp_path / "fail.ortcp"
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(EXIT_SCRIPT), str(ok), str(failing)],
+        [sys.executable, "-c", LOG_FORMAT + textwrap.dedent(EXIT_SCRIPT), str(ok), str(failing)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -154,4 +155,8 @@ def test_process_exit_waits_for_unfinished_saves_and_reports_a_failure_nobody_sa
     assert checkpoint.load(ok, key="train_step_info") == {"optimization_step": 1, "step": 1}
     assert not failing.exists()
     assert f"the asynchronous save of {failing} failed" in result.stderr, result.stderr
+    # reported as a log record of the ort_trainer logger (ERROR), not printed
+    assert f"REC ort_trainer.checkpoint.io._async ERROR ort_trainer: the asynchronous save of {failing}" in (
+        result.stderr
+    ), result.stderr
     assert "No space left on device" in result.stderr and str(ok) not in result.stderr

@@ -1,4 +1,7 @@
-"""The library reports through the ``ort_trainer`` logger, never ``print``; ORT_TRAINER_LOG_LEVEL raises verbosity."""
+"""The library reports through the ``ort_trainer`` logger, never ``print``; ORT_TRAINER_LOG_LEVEL raises verbosity.
+
+(The asynchronous-save error at exit is checked as an ERROR record in tests/test_checkpoint_async.py.)
+"""
 
 from __future__ import annotations
 
@@ -9,11 +12,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from ort_trainer._native_logs import quiet_native_info_logs
 from tests.paths import REPO
-from tests.test_checkpoint_async import EXIT_SCRIPT
 
 LIBRARY = [REPO / "ort_trainer", REPO / "checkpoint", REPO / "optim", REPO / "amp"]
 CLI = [REPO / "checkpoint" / "cli", REPO / "checkpoint" / "__main__.py", REPO / "ort_trainer" / "__main__.py"]
@@ -91,17 +91,3 @@ def test_native_onnxruntime_lines_become_records_by_severity(caplog):
         (name, logging.ERROR, lines[2]),
         (name, logging.WARNING, lines[3]),
     ]
-
-
-@pytest.mark.processes
-def test_an_async_save_error_at_exit_is_an_error_record(tmp_path):
-    script = 'import logging\nlogging.basicConfig(format="REC %(name)s %(levelname)s %(message)s")\n'
-    script += textwrap.dedent(EXIT_SCRIPT)
-    failing = tmp_path / "fail.ortcp"
-    run = subprocess.run(
-        [sys.executable, "-c", script, str(failing)], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0, run.stderr
-    assert f"REC ort_trainer.checkpoint.io._async ERROR ort_trainer: the asynchronous save of {failing} failed" in (
-        run.stderr
-    ), run.stderr
