@@ -4,7 +4,7 @@
 
 One installed import namespace: the subpackages ``ort_trainer.checkpoint``, ``ort_trainer.optim`` and
 ``ort_trainer.amp`` live in the repository's top-level ``checkpoint/``, ``optim/`` and ``amp/``
-folders (mapped by ``package_dir`` in ``setup.py``; found by ``_source_tree`` when Python runs in a
+folders (mapped by ``package_dir`` in ``setup.py``; found by ``_package.source_tree`` when Python runs in a
 source checkout). The names below are imported on first use, so ``import ort_trainer`` alone does not
 load torch or ONNX Runtime (the checkpoint command line starts in a fraction of torch's import time).
 Logs go to the ``ort_trainer`` logger (see ``docs/logging.md``).
@@ -15,10 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _logging, _source_tree
+from . import _package
 
-_source_tree.install(__file__)
-_logging.configure_from_env()
+_package.install(__file__)
+_package.configure_from_env()
 
 if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
     from . import amp, checkpoint, optim
