@@ -17,22 +17,20 @@ import onnx
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ort_trainer.checkpoint.io import SaveHandle
+from ort_trainer.checkpoint.io import CheckpointIO, SaveHandle
 from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
 from ort_trainer.engine._session import resolve_device
 from ort_trainer.engine._store import build_store
 from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
-from ort_trainer.optim.config import _OptimizerConfig
+from ort_trainer.optim.config import OptimizerConfig
 
 from . import _state
-from ._checkpoint_io import CheckpointIO
-from ._checkpointing import load_trainer_checkpoint, save_trainer_checkpoint
-from ._input_checks import check_input_tensors, check_labels, check_onnx_io, explain_run_errors
-from ._names import outer_module
-from ._state import StateDictOptions
-from .model_desc import ModelDescription, check_inputs, validate_model_desc
-from .options import ORTTrainerOptions
+from ._state import StateDictOptions, load_trainer_checkpoint, save_trainer_checkpoint
+from .config.model_desc import ModelDescription, check_inputs, validate_model_desc
+from .config.options import ORTTrainerOptions
+from .diagnosis import check_input_tensors, check_labels, check_onnx_io, explain_run_errors
+from .graph._names import outer_module
 from .train_step_info import TrainStepInfo
 
 __all__ = ["ORTTrainer"]
@@ -50,7 +48,7 @@ class ORTTrainer:
         self,
         model: torch.nn.Module | onnx.ModelProto,
         model_desc: Mapping[str, Any],
-        optim_config: _OptimizerConfig,
+        optim_config: OptimizerConfig,
         loss_fn: Callable | None = None,
         options: ORTTrainerOptions | Mapping[str, Any] | None = None,
     ):
@@ -60,7 +58,7 @@ class ORTTrainer:
             raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
         if loss_fn is not None and isinstance(model, onnx.ModelProto):
             raise ValueError("loss_fn is not allowed with an ONNX model: the loss must be an output of the graph")
-        if not isinstance(optim_config, _OptimizerConfig):
+        if not isinstance(optim_config, OptimizerConfig):
             raise TypeError(
                 "optim_config must be an optim.AdamConfig, optim.LambConfig or optim.SGDConfig, "
                 f"got {type(optim_config).__name__}"

@@ -5,16 +5,20 @@
 - ``_transfer``: save a tree to a location (remote ones through a local spool file), and local copies of
   remote files for the readers;
 - ``_snapshot``: the reusable host copy of a state that an asynchronous save writes from;
-- ``_async``: the background writer (one save at a time, errors kept for the next call) and ``SaveHandle``.
+- ``_async``: the background writer (one save at a time, errors kept for the next call) and ``SaveHandle``;
+- ``_scheduler``: the trainer's save scheduler, ``CheckpointIO`` (now or in the background, one file or one
+  file per rank) and ``write_checkpoint``.
 """
 
 from ._async import AsyncWriter, SaveHandle
 from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve
+from ._scheduler import CheckpointIO, write_checkpoint
 from ._snapshot import HostSnapshot
 from ._transfer import FileRecord, local_inputs, save_tree, write_file
 
 __all__ = [
     "AsyncWriter",
+    "CheckpointIO",
     "FileRecord",
     "HostSnapshot",
     "LocalLocation",
@@ -25,5 +29,6 @@ __all__ = [
     "local_inputs",
     "resolve",
     "save_tree",
+    "write_checkpoint",
     "write_file",
 ]

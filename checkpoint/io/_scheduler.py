@@ -24,9 +24,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ort_trainer.checkpoint.errors import CheckpointExistsError
-from ort_trainer.checkpoint.io import AsyncWriter, Location, SaveHandle, save_tree
-from ort_trainer.checkpoint.sets._writer import plan_set_save, write_set
+from ..errors import CheckpointExistsError
+from ..sets._writer import plan_set_save, write_set
+from ._async import AsyncWriter, SaveHandle
+from ._location import Location
+from ._transfer import save_tree
 
 __all__ = ["CheckpointIO", "write_checkpoint"]
 

@@ -2,7 +2,7 @@
 
 Saving writes views of the live buffers (no copy of the model) through the atomic `checkpoint.save`;
 an asynchronous save copies them into a reusable host snapshot and writes in the background, and a
-distributed save writes one file per rank plus a manifest (`_checkpoint_io`, `checkpoint.sets._writer`).
+distributed save writes one file per rank plus a manifest (`checkpoint.io.CheckpointIO`).
 Paths may be fsspec URLs (`checkpoint.io`).
 
 Loading is two-phase: open, verify every checksum and validate keys, shapes and types against the
@@ -21,12 +21,14 @@ import torch
 
 from ort_trainer import checkpoint
 from ort_trainer.checkpoint import io as _io
-from ort_trainer.checkpoint.format import _schema as K
-from ort_trainer.checkpoint.sets import _manifest
+from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.checkpoint.io import CheckpointIO, write_checkpoint
+from ort_trainer.checkpoint.sets import is_manifest
 
-from . import _state
-from ._checkpoint_io import CheckpointIO, write_checkpoint
+from ._compose import trainer_state_dict
+from ._load import _apply, _validate, load_trainer_state_dict
 from ._owner import StateOwner
+from ._stateful import encode_stateful, load_stateful, own_rank_section
 
 __all__ = ["checkpoint_io", "load_trainer_checkpoint", "save_trainer_checkpoint"]
 
@@ -45,22 +47,22 @@ def save_trainer_checkpoint(
     """One file; or, on W > 1 ranks, one file per rank plus a manifest that rank 0 writes last.
 
     The previous asynchronous save is waited for first (its error is raised here). With ``async_save``
-    the state is copied into a host snapshot and written in the background (see ``_checkpoint_io``).
+    the state is copied into a host snapshot and written in the background (see ``checkpoint.io.CheckpointIO``).
     """
     io = checkpoint_io(trainer)
     io.wait()
     if user_dict is not None and not isinstance(user_dict, Mapping):
         raise TypeError(f"user_dict must be a Mapping or None, got {type(user_dict).__name__}")
     target = _io.resolve(path, storage_options)
-    state = _state.trainer_state_dict(trainer, copy_tensors=False)
+    state = trainer_state_dict(trainer, copy_tensors=False)
     if not include_optimizer_states:
-        state.pop(K.OPTIMIZER_KEY, None)
+        state.pop(S.OPTIMIZER_KEY, None)
     if user_dict:
-        state[K.USER_DICT_KEY] = checkpoint.encode_user_dict(user_dict)
+        state[S.USER_DICT_KEY] = checkpoint.encode_user_dict(user_dict)
     # interop: extra Stateful objects (sampler, EMA, ...), encoded before anything is written
-    stored_stateful = _state.encode_stateful(stateful)
+    stored_stateful = encode_stateful(stateful)
     if stored_stateful is not None:
-        state[K.STATEFUL_KEY] = stored_stateful
+        state[S.STATEFUL_KEY] = stored_stateful
     return write_checkpoint(
         io,
         trainer._dist,
@@ -69,7 +71,7 @@ def save_trainer_checkpoint(
         step=trainer._train_step_info.step,
         overwrite=overwrite,
         async_save=bool(async_save),
-        distributed_key=(K.DISTRIBUTED_KEY, K.RUN_ID_KEY),
+        distributed_key=(S.DISTRIBUTED_KEY, S.RUN_ID_KEY),
         defer=_updated_by_the_optimizer(trainer),
     )
 
@@ -80,8 +82,8 @@ def _updated_by_the_optimizer(trainer: StateOwner):
     trainer waits for that copy before its next update (`ORTTrainer._update`). Everything else (e.g.
     BatchNorm statistics, written by every training run) is copied during the call."""
     trainable = frozenset(trainer._store.param_views)
-    model = (K.MODEL_KEY, K.FULL_PRECISION_KEY)
-    return lambda key: key[0] == K.OPTIMIZER_KEY or (key[:2] == model and len(key) == 3 and key[2] in trainable)
+    model = (S.MODEL_KEY, S.FULL_PRECISION_KEY)
+    return lambda key: key[0] == S.OPTIMIZER_KEY or (key[:2] == model and len(key) == 3 and key[2] in trainable)
 
 
 def checkpoint_io(trainer: StateOwner) -> CheckpointIO:
@@ -121,34 +123,34 @@ def _load_local(
     if _is_partitioned_set(paths):
         full = checkpoint.aggregate_checkpoints(list(paths) if len(paths) > 1 else paths[0])
         sections = _own_sections(trainer, full)
-        user_dict = _decode(sections[K.USER_DICT_KEY], allow_pickle, paths[0])
-        undo = _state.load_stateful(stateful, sections[K.STATEFUL_KEY], str(paths[0]))
-        _undo_on_error(undo, _state.load_trainer_state_dict, trainer, full, strict=strict)
+        user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, paths[0])
+        undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(paths[0]))
+        _undo_on_error(undo, load_trainer_state_dict, trainer, full, strict=strict)
         return user_dict
     with checkpoint.open_checkpoint(paths[0]) as reader:
         reader.verify()
         sections = _own_sections(trainer, {k: reader.read(k) for k in _SECTION_KEYS if k in reader.keys()})
-        user_dict = _decode(sections[K.USER_DICT_KEY], allow_pickle, reader.path)
-        undo = _state.load_stateful(stateful, sections[K.STATEFUL_KEY], str(reader.path))
+        user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, reader.path)
+        undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(reader.path))
         if trainer._engine is None or trainer._engine.zero is not None:
             tree = reader.read()
             for key in _SECTION_KEYS:
                 tree.pop(key, None)
-            _undo_on_error(undo, _state.load_trainer_state_dict, trainer, tree, strict=strict)
+            _undo_on_error(undo, load_trainer_state_dict, trainer, tree, strict=strict)
             return user_dict
         _undo_on_error(undo, _load_into_engine, trainer, reader, strict)
     return user_dict
 
 
 # interop: per-rank user_dict / stateful sections and the rollback of stateful objects
-_SECTION_KEYS = (K.USER_DICT_KEY, K.RANK_USER_DICTS_KEY, K.STATEFUL_KEY, K.RANK_STATEFUL_KEY)
+_SECTION_KEYS = (S.USER_DICT_KEY, S.RANK_USER_DICTS_KEY, S.STATEFUL_KEY, S.RANK_STATEFUL_KEY)
 
 
 def _own_sections(trainer: StateOwner, tree: dict) -> dict[str, Any]:
-    """This rank's user_dict and stateful group (popped from ``tree``), see `_state.own_rank_section`."""
+    """This rank's user_dict and stateful group (popped from ``tree``), see `own_rank_section`."""
     ctx = trainer._dist
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (None, None)
-    return {key: _state.own_rank_section(tree, key, rank, world) for key in (K.USER_DICT_KEY, K.STATEFUL_KEY)}
+    return {key: own_rank_section(tree, key, rank, world) for key in (S.USER_DICT_KEY, S.STATEFUL_KEY)}
 
 
 def _undo_on_error(undo, load, *args, **kwargs) -> None:
@@ -160,22 +162,22 @@ def _undo_on_error(undo, load, *args, **kwargs) -> None:
 
 
 def _is_partitioned_set(paths: Sequence[str | os.PathLike]) -> bool:
-    if len(paths) > 1 or _manifest.is_manifest(paths[0]):
+    if len(paths) > 1 or is_manifest(paths[0]):
         return True
     with checkpoint.open_checkpoint(paths[0], verify=False) as reader:
-        if K.TRAINER_OPTIONS_KEY not in reader.keys():
+        if S.TRAINER_OPTIONS_KEY not in reader.keys():
             return False
-        options = reader.read(K.TRAINER_OPTIONS_KEY)
+        options = reader.read(S.TRAINER_OPTIONS_KEY)
     zero, world, horizontal = (
         _topology_value(options, key, default, paths[0])
-        for key, default in ((K.ZERO_STAGE_KEY, 0), (K.WORLD_SIZE_KEY, 1), (K.HORIZONTAL_PARALLEL_SIZE_KEY, 1))
+        for key, default in ((S.ZERO_STAGE_KEY, 0), (S.WORLD_SIZE_KEY, 1), (S.HORIZONTAL_PARALLEL_SIZE_KEY, 1))
     )
     return (zero > 0 and world > 1) or horizontal > 1
 
 
 def _topology_value(options: Any, key: str, default: int, path: Any) -> int:
     """One topology field of a file's ``trainer_options``, checked as the aggregation checks it."""
-    value = K._scalar(options.get(key, default)) if isinstance(options, Mapping) else default
+    value = S._scalar(options.get(key, default)) if isinstance(options, Mapping) else default
     if not isinstance(value, int) or isinstance(value, bool) or value < min(default, 1):
         raise checkpoint.CheckpointCorruptError(
             f"{path}: invalid trainer_options: {key}: expected an int >= {min(default, 1)}, got {value!r}"
@@ -193,36 +195,36 @@ def _load_into_engine(trainer: StateOwner, reader: checkpoint.CheckpointReader, 
     """Phase 1: a state whose big tensors are shape-only placeholders is fully validated.
     Phase 2: read the big tensors straight into the live buffers, then apply the rest."""
     keys = reader.keys()
-    big = (K.MODEL_KEY, K.OPTIMIZER_KEY, *_SECTION_KEYS)
+    big = (S.MODEL_KEY, S.OPTIMIZER_KEY, *_SECTION_KEYS)
     state = {key: reader.read(key) for key in keys if key not in big}
-    if K.MODEL_KEY in keys:
-        state[K.MODEL_KEY] = {K.FULL_PRECISION_KEY: _placeholders(reader, (K.MODEL_KEY, K.FULL_PRECISION_KEY))}
-        if (K.MODEL_KEY, K.EXTRA_STATE_KEY) in reader:  # interop: get_extra_state() values (small)
-            state[K.MODEL_KEY][K.EXTRA_STATE_KEY] = reader.read((K.MODEL_KEY, K.EXTRA_STATE_KEY))
-    if K.OPTIMIZER_KEY in keys:
-        state[K.OPTIMIZER_KEY] = _optimizer_placeholders(reader)
-    plan = _state._validate(trainer, state, strict)
+    if S.MODEL_KEY in keys:
+        state[S.MODEL_KEY] = {S.FULL_PRECISION_KEY: _placeholders(reader, (S.MODEL_KEY, S.FULL_PRECISION_KEY))}
+        if (S.MODEL_KEY, S.EXTRA_STATE_KEY) in reader:  # interop: get_extra_state() values (small)
+            state[S.MODEL_KEY][S.EXTRA_STATE_KEY] = reader.read((S.MODEL_KEY, S.EXTRA_STATE_KEY))
+    if S.OPTIMIZER_KEY in keys:
+        state[S.OPTIMIZER_KEY] = _optimizer_placeholders(reader)
+    plan = _validate(trainer, state, strict)
     engine = trainer._engine
     targets = {**engine.param_views, **engine.frozen}
     for name in plan.pop("weights"):
-        _read_into(reader, (K.MODEL_KEY, K.FULL_PRECISION_KEY, name), targets[name])
+        _read_into(reader, (S.MODEL_KEY, S.FULL_PRECISION_KEY, name), targets[name])
     plan["weights"] = {}
     if "optimizer" in plan:
         plan["optimizer"] = _read_moments(reader, plan["optimizer"], engine.optimizer.state_dict(copy=False))
-    _state._apply(trainer, plan)
+    _apply(trainer, plan)
 
 
 def _optimizer_placeholders(reader: checkpoint.CheckpointReader) -> dict[str, Any]:
     """The optimizer tree with moments as placeholders and the small counters read for real."""
     tree: dict[str, Any] = {}
-    for name, entries in reader.tree_info((K.OPTIMIZER_KEY,)).items():
+    for name, entries in reader.tree_info((S.OPTIMIZER_KEY,)).items():
         if not isinstance(entries, dict):
-            tree[name] = reader.read((K.OPTIMIZER_KEY, name))
+            tree[name] = reader.read((S.OPTIMIZER_KEY, name))
             continue
         tree[name] = {
             key: torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-            if key in K.SHARDED_OPTIMIZER_KEYS and isinstance(meta, checkpoint.DatasetInfo)
-            else reader.read((K.OPTIMIZER_KEY, name, key))
+            if key in S.SHARDED_OPTIMIZER_KEYS and isinstance(meta, checkpoint.DatasetInfo)
+            else reader.read((S.OPTIMIZER_KEY, name, key))
             for key, meta in entries.items()
         }
     return tree
@@ -235,9 +237,9 @@ def _read_moments(reader: checkpoint.CheckpointReader, validated: dict, live: di
         if not isinstance(entry, dict) or name not in live:
             rest[name] = entry
             continue
-        for key in K.SHARDED_OPTIMIZER_KEYS & set(entry):
-            _read_into(reader, (K.OPTIMIZER_KEY, name, key), live[name][key])
-        rest[name] = {key: value for key, value in entry.items() if key not in K.SHARDED_OPTIMIZER_KEYS}
+        for key in S.SHARDED_OPTIMIZER_KEYS & set(entry):
+            _read_into(reader, (S.OPTIMIZER_KEY, name, key), live[name][key])
+        rest[name] = {key: value for key, value in entry.items() if key not in S.SHARDED_OPTIMIZER_KEYS}
     return rest
 
 

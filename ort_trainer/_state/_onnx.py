@@ -10,7 +10,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from .._owner import StateOwner
+from ._owner import StateOwner
 
 if TYPE_CHECKING:
     from ort_trainer.engine._build import Engine
@@ -37,7 +37,7 @@ def check_model_export(trainer: StateOwner, inputs: Sequence[torch.Tensor]) -> N
         return
     from ort_trainer.graph._forward import eval_outputs
 
-    from .._names import outer_module
+    from ..graph._names import outer_module
 
     desc = trainer.model_desc
     expected = eval_outputs(outer_module(trainer._model), trainer.loss_fn, desc, inputs)

@@ -13,15 +13,15 @@ if TYPE_CHECKING:
     import onnx
     import torch
 
+    from ort_trainer.checkpoint.io import CheckpointIO
     from ort_trainer.engine._build import Engine
     from ort_trainer.engine._distributed import DistributedContext
     from ort_trainer.engine._store import ParamStore
-    from ort_trainer.optim.config import _OptimizerConfig
+    from ort_trainer.optim.config import OptimizerConfig
 
-    from ._checkpoint_io import CheckpointIO
-    from .model_desc import ModelDescription
-    from .options import ORTTrainerOptions
-    from .train_step_info import TrainStepInfo
+    from ..config.model_desc import ModelDescription
+    from ..config.options import ORTTrainerOptions
+    from ..train_step_info import TrainStepInfo
 
 __all__ = ["StateOwner"]
 
@@ -30,7 +30,7 @@ class StateOwner(Protocol):
     """The trainer's parts that its state lives in (`ORTTrainer` satisfies this)."""
 
     options: ORTTrainerOptions
-    optim_config: _OptimizerConfig
+    optim_config: OptimizerConfig
     model_desc: ModelDescription
     loss_fn: Callable | None
     _model: torch.nn.Module | onnx.ModelProto

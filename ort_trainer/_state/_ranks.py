@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ort_trainer.checkpoint.format import _schema as K
+from ort_trainer.checkpoint.format import schema as S
 from ort_trainer.engine._store import ParamStore
 
-from .._owner import StateOwner
+from ._owner import StateOwner
 
 __all__ = [
     "PendingRankCheck",
@@ -131,7 +131,7 @@ def full_optimizer_state(store: ParamStore) -> dict[str, Any]:
         full.append(store.layout.views(buffer[: store.layout.numel]))
     count = torch.tensor([max(counts)], dtype=torch.int64)
     return {
-        name: {K.MOMENT_1_KEY: full[0][name].clone(), K.MOMENT_2_KEY: full[1][name].clone(), K.UPDATE_COUNT_KEY: count}
+        name: {S.MOMENT_1_KEY: full[0][name].clone(), S.MOMENT_2_KEY: full[1][name].clone(), S.UPDATE_COUNT_KEY: count}
         for name in store.layout.names
     }
 

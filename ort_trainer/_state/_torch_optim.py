@@ -1,6 +1,6 @@
 """The trainer's optimizer state in ``torch.optim``'s format: `optimizer_state_dict` / `load_optimizer_state_dict`.
 
-The conversion itself is `optim._torch_format`; here the trainer's side: parameter names (canonical,
+The conversion itself is `optim.torch_format`; here the trainer's side: parameter names (canonical,
 wrapper prefixes stripped), the int keys of ``Optimizer.state_dict()``, ZeRO (the full state is
 gathered) and the step counters (loading torch's ``step`` N sets ``optimization_step`` to N, so
 every ``Update_Count`` is N + 1 and LR schedules continue where torch stopped).
@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ort_trainer.checkpoint.format import _schema as K
-from ort_trainer.optim._torch_format import check_torch_expressible, from_torch_state, to_torch_state
+from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.optim.torch_format import check_torch_expressible, from_torch_state, to_torch_state
 
-from .._names import KeyMatcher, canonical_name
-from .._owner import StateOwner
+from ..graph._names import KeyMatcher, canonical_name
 from . import _ranks
 from ._load import load_trainer_state_dict
 from ._options import StateDictOptions, resolve_options
+from ._owner import StateOwner
 
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
 
@@ -75,8 +75,8 @@ def load_optimizer_state_dict(
         return _IncompatibleKeys(missing, unexpected)
     accumulation = trainer.options.batch.gradient_accumulation_steps
     loaded = {
-        K.OPTIMIZER_KEY: legacy,
-        K.TRAIN_STEP_INFO_KEY: {"optimization_step": updates, "step": updates * accumulation},
+        S.OPTIMIZER_KEY: legacy,
+        S.TRAIN_STEP_INFO_KEY: {"optimization_step": updates, "step": updates * accumulation},
     }
     load_trainer_state_dict(trainer, loaded, strict=False)
     return _IncompatibleKeys(missing, unexpected)

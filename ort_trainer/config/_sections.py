@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from ort_trainer._option_checks import Checker
 from ort_trainer.amp import DynamicLossScaler, LossScaler
+from ort_trainer.config._checks import Checker
 
 __all__ = [
     "BatchOptions",

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from ort_trainer._option_checks import Checker, OptionsError, OptionTypeError, build_section, section_to_dict
-from ort_trainer._option_sections import (
+from ort_trainer.config._checks import Checker, OptionsError, OptionTypeError, build_section, section_to_dict
+from ort_trainer.config._sections import (
     BatchOptions,
     DebugOptions,
     DeepspeedZeroOptions,
@@ -87,7 +87,7 @@ class _RootOptions:
 
     def _check_lr_scheduler(self, c: Checker) -> None:
         try:  # imported here: optim may import ort_trainer, and options must not require it otherwise
-            from ort_trainer.optim.lr_scheduler import _LRScheduler as scheduler_cls
+            from ort_trainer.optim.lr_scheduler import LRScheduler as scheduler_cls
         except ImportError as error:
             c.fail("lr_scheduler", f"cannot check {self.lr_scheduler!r}: optim.lr_scheduler: {error}", is_type=True)
             return

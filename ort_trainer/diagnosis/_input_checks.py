@@ -24,7 +24,7 @@ from ort_trainer.graph._forward import (
     module_for_export,
 )
 
-from .model_desc import ModelDescription
+from ..config.model_desc import ModelDescription
 
 __all__ = [
     "LabelSpec",

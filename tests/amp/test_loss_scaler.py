@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
 from ort_trainer.amp import DynamicLossScaler, LossScaler
 
 

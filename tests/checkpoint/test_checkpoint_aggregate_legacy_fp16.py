@@ -17,10 +17,10 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from ort_trainer.checkpoint.sets._zero import zero_pieces
 
 from ort_trainer import checkpoint as C
-from tests.test_checkpoint_aggregate import FLAT, SHAPES, assert_same, full_state, save_ranks
+from ort_trainer.checkpoint.sets._zero import zero_pieces
+from tests.rank_states import FLAT, SHAPES, assert_same, full_state, save_ranks
 
 # D = 2 (C = 192): w1 is pieces on ranks 0 and 1; b1, w2, b2, scale are whole on rank 1 only.
 # D = 3 (C = 128): w1 pieces on ranks 0-1, b1 whole on 1, w2 pieces on ranks 1-2, b2 and scale whole on 2.

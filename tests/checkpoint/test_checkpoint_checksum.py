@@ -8,10 +8,10 @@ import google_crc32c
 import numpy as np
 import pytest
 import torch
-from ort_trainer.checkpoint.format import _checksum as K
-from ort_trainer.checkpoint.format import _schema as S
 
 from ort_trainer import checkpoint
+from ort_trainer.checkpoint.format import _checksum as K
+from ort_trainer.checkpoint.format import _schema as S
 
 
 def test_standard_check_values():

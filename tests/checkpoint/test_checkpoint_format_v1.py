@@ -12,10 +12,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from ort_trainer.checkpoint.cli._main import main as cli_main
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer import checkpoint as C
+from ort_trainer.checkpoint.cli._main import main as cli_main
 from tests.paths import FIXTURES
 
 V1 = FIXTURES / "format_v1"

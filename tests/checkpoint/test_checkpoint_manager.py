@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from ort_trainer.checkpoint import CheckpointManager
-from ort_trainer.checkpoint.manager._policy import RetentionPolicy
 
 from ort_trainer import ORTTrainer, checkpoint, optim
+from ort_trainer.checkpoint import CheckpointManager
+from ort_trainer.checkpoint.manager._policy import RetentionPolicy
 from tests.models import MLP, MLP_DESC, mlp_batches
 from tests.paths import REPO
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ort_trainer import checkpoint as C
-from tests.test_checkpoint_aggregate import assert_same, full_state, save_ranks
+from tests.rank_states import assert_same, full_state, save_ranks
 
 
 def test_rank_file_and_manifest_names(tmp_path):

@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
-from ort_trainer.checkpoint.sets import megatron
 
 from ort_trainer import checkpoint as C
-from tests.test_checkpoint_aggregate import assert_same, full_state, save_ranks
+from ort_trainer.checkpoint.sets import megatron
+from tests.rank_states import assert_same, full_state, save_ranks
 
 # GPT-2 style MLP: fc1 weight + bias by column, fc2 weight by row, fc2 bias and LayerNorm replicated.
 SHAPES = {"fc1.w": (8, 16), "fc1.b": (16,), "fc2.w": (16, 8), "fc2.b": (8,), "ln.w": (8,)}

@@ -15,9 +15,9 @@ import uuid
 
 import pytest
 import torch
-from ort_trainer.checkpoint.cli._main import main as cli
 
 from ort_trainer import ORTTrainer, checkpoint, optim
+from ort_trainer.checkpoint.cli._main import main as cli
 from tests.models import MLP, MLP_DESC, mlp_batches
 from tests.paths import REPO
 from tests.ranks import free_port
@@ -203,7 +203,7 @@ def test_local_paths_need_no_fsspec(tmp_path):
 
 @pytest.mark.faults  # two processes and ~20 S3 round trips: part of `make test-faults`
 def test_distributed_async_set_on_s3_replaces_the_old_set_and_aggregates(s3, tmp_path):
-    from tests.test_distributed import _assert_full_state_equal, launch, single_process
+    from tests.dist_runs import assert_full_state_equal, launch, single_process
 
     fs, bucket = s3
     prefix = f"{bucket}/{uuid.uuid4().hex}"
@@ -215,7 +215,7 @@ def test_distributed_async_set_on_s3_replaces_the_old_set_and_aggregates(s3, tmp
     assert names == sorted(["ckpt.ortcp.manifest.json", *listed]) and len(listed) == 2, names  # step 4's set is gone
     reference, _ = single_process()
     with checkpoint.io.local_inputs(f"{url}.manifest.json") as local:  # the manifest and its files, downloaded
-        _assert_full_state_equal(checkpoint.aggregate_checkpoints(local), reference.state_dict())
+        assert_full_state_equal(checkpoint.aggregate_checkpoints(local), reference.state_dict())
     fresh = _trainer()
     fresh.load_checkpoint(f"{url}.manifest.json")  # a single process loads the set straight from S3
     fresh.train_step(*mlp_batches(1, batch=12)[0])

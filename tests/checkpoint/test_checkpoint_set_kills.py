@@ -24,7 +24,7 @@ from tests.ranks import free_port
 
 pytestmark = pytest.mark.faults  # SIGKILL loops: part of `make test-faults`
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KILLS = 20
 
 

@@ -11,9 +11,9 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from ort_trainer.checkpoint.format import _atomic
 
 from ort_trainer import checkpoint as C
+from ort_trainer.checkpoint.format import _atomic
 
 
 def assert_same(expected, got, where="root"):

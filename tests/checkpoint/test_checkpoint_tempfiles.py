@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 import pytest
-from ort_trainer.checkpoint.format import _tempfile as T
-from ort_trainer.checkpoint.format._h5_stream import save_stream
 
 from ort_trainer import checkpoint as C
+from ort_trainer.checkpoint.format import _tempfile as T
+from ort_trainer.checkpoint.format._h5_stream import save_stream
 
 
 def _slow_writer(path, gate, report_fd):

@@ -2,38 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from ort_trainer import checkpoint
+from tests.dist_runs import assert_full_state_equal, launch, single_process
 from tests.dist_worker import make_trainer
 from tests.models import mlp_batches
-from tests.ranks import free_port, run_ranks
+from tests.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 240
-
-
-def launch(world: int, out: Path, *args) -> list[dict]:
-    """Run `world` ranks of tests.dist_worker; each writes its state to ``out/rank<r>.h5``."""
-    out.mkdir(parents=True, exist_ok=True)
-    run_ranks(world, ["-m", "tests.dist_worker", "--out", str(out), *map(str, args)])
-    return [checkpoint.load(out / f"rank{r}.h5") for r in range(world)]
-
-
-def single_process(zero: int = 0, steps: int = 8, clip: bool = True, optimizer: str = "adam"):
-    os.environ.pop("WORLD_SIZE", None)
-    os.environ.pop("RANK", None)
-    trainer = make_trainer(0, clip, optimizer)
-    torch.manual_seed(100)  # rank 0's initial weights
-    from tests.models import MLP
-
-    trainer.load_state_dict(MLP().state_dict())
-    losses = [trainer.train_step(*batch).item() for batch in mlp_batches(steps, batch=12)]
-    return trainer, losses
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +41,6 @@ def test_data_parallel_and_zero_match_one_process_on_the_whole_batch(tmp_path, r
         assert numel == [total] * world
 
 
-def _assert_full_state_equal(got, expected, atol=2e-6):
-    for name, value in expected["model"]["full_precision"].items():
-        torch.testing.assert_close(got["model"]["full_precision"][name], value, atol=atol, rtol=1e-5)
-    for name, entry in expected["optimizer"].items():
-        for key, value in entry.items():
-            torch.testing.assert_close(got["optimizer"][name][key], value, atol=atol, rtol=1e-5, msg=f"{name}/{key}")
-    assert got["train_step_info"] == expected["train_step_info"]
-
-
 def test_zero_checkpoint_set_aggregates_to_the_single_process_state(tmp_path, reference):
     trainer, _ = reference
     path = tmp_path / "ckpt.ortcp"
@@ -85,7 +56,7 @@ def test_zero_checkpoint_set_aggregates_to_the_single_process_state(tmp_path, re
     assert rank0["trainer_options"]["zero_stage"] == 1 and rank0["trainer_options"]["world_size"] == 2
     assert rank0["partition_info"]["fc1.weight"]["megatron_row_partition"] == [-1]  # fc1.weight straddles ranks
     full = checkpoint.aggregate_checkpoints(manifest)
-    _assert_full_state_equal(full, trainer.state_dict())
+    assert_full_state_equal(full, trainer.state_dict())
     with pytest.raises(checkpoint.CheckpointError, match="rank"):
         checkpoint.aggregate_checkpoints([files[0]])
     assert checkpoint.aggregate_checkpoints([manifest])["train_step_info"] == full["train_step_info"]  # list of one
@@ -105,7 +76,7 @@ def test_async_saves_during_training_publish_complete_sets_and_replace_the_old_o
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
         [manifest.path.name, *(e.name for e in manifest.files)]
     )  # the sets of steps 2, 4 and 6 were removed once the next one was published
-    _assert_full_state_equal(checkpoint.aggregate_checkpoints(manifest.path), trainer.state_dict())
+    assert_full_state_equal(checkpoint.aggregate_checkpoints(manifest.path), trainer.state_dict())
 
 
 def test_checkpoint_manager_on_two_ranks_resumes_the_latest_set(tmp_path, reference):
@@ -123,7 +94,7 @@ def test_checkpoint_manager_on_two_ranks_resumes_the_latest_set(tmp_path, refere
         assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
     latest = checkpoint.CheckpointManager(run).latest()
     assert latest.step == 8 and latest.path.endswith("ckpt-000000008.ortcp.manifest.json")
-    _assert_full_state_equal(checkpoint.aggregate_checkpoints(latest.path), trainer.state_dict())
+    assert_full_state_equal(checkpoint.aggregate_checkpoints(latest.path), trainer.state_dict())
     assert len(list(run.glob("*.ortcp"))) == 2  # the two rank files of step 8
 
 
@@ -149,7 +120,7 @@ def test_reshard_two_ranks_to_one_process(tmp_path, reference):
     single.load_checkpoint(checkpoint.manifest_path(path))
     for batch in mlp_batches(8, batch=12)[4:]:
         single.train_step(*batch)
-    _assert_full_state_equal(single.state_dict(), trainer.state_dict())
+    assert_full_state_equal(single.state_dict(), trainer.state_dict())
 
 
 def test_options_that_contradict_the_existing_process_group_are_rejected():
@@ -197,7 +168,7 @@ def test_legacy_per_rank_paths_each_rank_writes_exactly_its_file(tmp_path, refer
     written = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert written == ["ck_s4_r0.ortcp", "ck_s4_r1.ortcp", "ck_s8_r0.ortcp", "ck_s8_r1.ortcp"]  # no manifest, no temp
     final = [tmp_path / "ck_s8_r1.ortcp", tmp_path / "ck_s8_r0.ortcp"]
-    _assert_full_state_equal(checkpoint.aggregate_checkpoints(final), trainer.state_dict())
+    assert_full_state_equal(checkpoint.aggregate_checkpoints(final), trainer.state_dict())
     # the files describe themselves: rank, world size, ZeRO stage, step and the save's run id
     metas = [checkpoint.load(p, key="trainer_options") for p in final]
     assert [(m["world_rank"], m["world_size"], m["zero_stage"]) for m in metas] == [(1, 2, 1), (0, 2, 1)]

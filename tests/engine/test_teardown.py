@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.engine._distributed import DistributedContext
+from tests.dist_runs import launch
 from tests.models import MLP, MLP_DESC, mlp_batches
 from tests.ranks import free_port
-from tests.test_distributed import launch
 
 
 def test_two_rank_zero_run_exits_with_the_group_destroyed_by_the_exit_hook(tmp_path):

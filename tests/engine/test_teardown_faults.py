@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_distributed import launch
+from tests.dist_runs import launch
 
 pytestmark = pytest.mark.faults
 

@@ -17,9 +17,9 @@ import torch
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.graph.rewrites import apply_forward_rewrites
+from tests.graph_compare import assert_close, ort_loss_and_grads, torch_loss_and_grads
 from tests.hf_tiny import HF_CLASSIFIER_DESC, BertClassifier, classifier_batch
 from tests.models import LM_DESC, lm_batches, lm_loss
-from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads
 
 ce = torch.nn.functional.cross_entropy
 
@@ -44,8 +44,8 @@ def test_gradients_match_torch_with_and_without_the_rewrites(rewrite):
     torch.manual_seed(0)
     model = SlicedPositions()
     batch = lm_batches(1, batch=3, seq=6, vocab=40)[0]
-    loss, grads, _ = _ort_loss_and_grads(model, lm_loss, LM_DESC, batch, rewrite)
-    _assert_close((loss, grads), _torch_loss_and_grads(model, lm_loss, batch))
+    loss, grads, _ = ort_loss_and_grads(model, lm_loss, LM_DESC, batch, rewrite)
+    assert_close((loss, grads), torch_loss_and_grads(model, lm_loss, batch))
 
 
 def _train_like_torch(model, desc, loss_fn, batches):

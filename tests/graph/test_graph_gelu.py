@@ -13,9 +13,9 @@ from onnx import TensorProto, helper
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.graph.rewrites import apply_forward_rewrites, decompose_gelu_grads
+from tests.graph_compare import assert_close, ort_loss_and_grads, torch_loss_and_grads
 from tests.hf_tiny import GPT2, HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, classifier_batch, lm_batch, token_loss
 from tests.models import MLP_DESC, mlp_batches
-from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads
 
 ce = torch.nn.functional.cross_entropy
 
@@ -76,9 +76,9 @@ def test_mlp_gelu_gradients_match_torch(approximate):
     torch.manual_seed(0)
     model = _GeluMLP(approximate)
     batch = mlp_batches(1, batch=8)[0]
-    loss, grads, changed = _ort_loss_and_grads(model, ce, MLP_DESC, batch, None, decompose_gelu_grads)
+    loss, grads, changed = ort_loss_and_grads(model, ce, MLP_DESC, batch, None, decompose_gelu_grads)
     assert changed == (1 if approximate == "none" else 0)
-    _assert_close((loss, grads), _torch_loss_and_grads(model, ce, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, ce, batch))
 
 
 def test_hugging_face_gpt2_gradients_match_torch():
@@ -92,9 +92,9 @@ def test_hugging_face_gpt2_gradients_match_torch():
         replaced.append(decompose_gelu_grads(model))
         return replaced[-1]
 
-    loss, grads, _ = _ort_loss_and_grads(model, token_loss, HF_DESC, batch, apply_forward_rewrites, train_rewrite)
+    loss, grads, _ = ort_loss_and_grads(model, token_loss, HF_DESC, batch, apply_forward_rewrites, train_rewrite)
     assert replaced == [2]  # one FastGeluGrad per layer
-    _assert_close((loss, grads), _torch_loss_and_grads(model, token_loss, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, token_loss, batch))
 
 
 def test_hugging_face_bert_gradients_match_torch():
@@ -108,9 +108,9 @@ def test_hugging_face_bert_gradients_match_torch():
         replaced.append(decompose_gelu_grads(model))
         return replaced[-1]
 
-    loss, grads, _ = _ort_loss_and_grads(model, ce, HF_CLASSIFIER_DESC, batch, apply_forward_rewrites, train_rewrite)
+    loss, grads, _ = ort_loss_and_grads(model, ce, HF_CLASSIFIER_DESC, batch, apply_forward_rewrites, train_rewrite)
     assert replaced == [2]  # one BiasGeluGrad_dX per layer
-    _assert_close((loss, grads), _torch_loss_and_grads(model, ce, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, ce, batch))
 
 
 def test_hugging_face_bert_trains_like_torch_with_adamw():

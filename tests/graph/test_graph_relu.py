@@ -9,8 +9,8 @@ import torch
 from onnx import TensorProto, helper
 
 from ort_trainer.graph.rewrites import apply_forward_rewrites, decompose_relu_grads
+from tests.graph_compare import assert_close, ort_loss_and_grads, torch_loss_and_grads
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
-from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads
 
 ce = torch.nn.functional.cross_entropy
 
@@ -46,9 +46,9 @@ def test_mlp_gradients_match_torch():
     torch.manual_seed(0)
     model = MLP()
     batch = mlp_batches(1, batch=8)[0]
-    loss, grads, changed = _ort_loss_and_grads(model, ce, MLP_DESC, batch, None, decompose_relu_grads)
+    loss, grads, changed = ort_loss_and_grads(model, ce, MLP_DESC, batch, None, decompose_relu_grads)
     assert changed == 1
-    _assert_close((loss, grads), _torch_loss_and_grads(model, ce, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, ce, batch))
 
 
 def test_transformer_lm_gradients_match_torch_with_every_rewrite():
@@ -61,6 +61,6 @@ def test_transformer_lm_gradients_match_torch_with_every_rewrite():
         replaced.append(decompose_relu_grads(train))
         return replaced[-1]
 
-    loss, grads, _ = _ort_loss_and_grads(model, lm_loss, LM_DESC, batch, apply_forward_rewrites, train_rewrite)
+    loss, grads, _ = ort_loss_and_grads(model, lm_loss, LM_DESC, batch, apply_forward_rewrites, train_rewrite)
     assert replaced == [2]  # one per encoder layer's feed-forward ReLU
-    _assert_close((loss, grads), _torch_loss_and_grads(model, lm_loss, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, lm_loss, batch))

@@ -10,63 +10,15 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from ort_trainer.engine._session import build_training_graphs
+from ort_trainer.config.model_desc import validate_model_desc
 from ort_trainer.graph._export import export_torch_model
 from ort_trainer.graph._passes import add_optional_outputs
 from ort_trainer.graph.rewrites import apply_forward_rewrites as apply_rewrites
 from ort_trainer.graph.rewrites import decompose_softmax_cross_entropy, gather_to_gather_nd
-from ort_trainer.model_desc import validate_model_desc
+from tests.graph_compare import assert_close, ort_loss_and_grads, torch_loss_and_grads
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
 
 ce = torch.nn.functional.cross_entropy
-
-
-def _ort_loss_and_grads(model, loss_fn, desc, batch, rewrite, train_rewrite=None):
-    """Export like ORTTrainer does, optionally rewrite, build the gradient graph (rewrite it too), run it once.
-
-    ``changed`` counts the nodes both rewrites replaced.
-    """
-    desc = validate_model_desc(desc, require_loss=True)
-    exported = export_torch_model(copy.deepcopy(model), loss_fn, desc, batch, 17)
-    forward = exported.model
-    changed = rewrite(forward) if rewrite else 0
-    onnx.checker.check_model(forward)
-    add_optional_outputs(forward)
-    params = [n for n in dict.fromkeys(exported.fqn_to_onnx.values()) if n not in exported.buffers]
-    train, _ = build_training_graphs(forward, params, [], list(desc.output_names))
-    changed += train_rewrite(train) if train_rewrite else 0
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = 2
-    session = ort.InferenceSession(train.SerializeToString(), options, ["CPUExecutionProvider"])
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    feeds = {name: t.numpy() for name, t in zip(desc.input_names, batch, strict=True)}
-    feeds.update({p: state[p] for p in params})
-    buffers = {p: np.zeros_like(state[p]) for p in params}  # InPlaceAccumulatorV2 writes into these
-    feeds.update({f"{p}_grad.accumulation.buffer": buffer for p, buffer in buffers.items()})
-    feeds["lazy_reset_grad"] = np.array([True])
-    names = [o.name for o in session.get_outputs()]  # every output, or the accumulators do not run
-    out = dict(zip(names, session.run(names, feeds), strict=True))
-    grads = {p: torch.from_numpy(buffer) for p, buffer in buffers.items()}
-    return float(out[desc.output_names[0]]), grads, changed
-
-
-def _torch_loss_and_grads(model, loss_fn, batch):
-    model = copy.deepcopy(model)
-    *inputs, label = batch
-    loss = loss_fn(model(*inputs), label)
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _assert_close(ort_result, torch_result, rtol=1e-5):
-    (loss, grads), (expected_loss, expected) = ort_result, torch_result
-    assert loss == pytest.approx(expected_loss, rel=1e-6)
-    assert set(grads) == set(expected)
-    for name, grad in grads.items():
-        scale = expected[name].abs().max().item()
-        error = (grad - expected[name]).abs().max().item()
-        assert error <= rtol * scale + 1e-9, f"{name}: max error {error:.3g} vs max |grad| {scale:.3g}"
 
 
 @pytest.mark.parametrize("ignored", [False, True])
@@ -77,10 +29,10 @@ def test_transformer_lm_gradients_match_torch(ignored):
     if ignored:  # torch's ignore_index=-100 is exported as an attribute of SoftmaxCrossEntropyLoss
         label[0, :4] = -100
     batch = (tokens, label)
-    loss, grads, changed = _ort_loss_and_grads(model, lm_loss, LM_DESC, batch, apply_rewrites)
+    loss, grads, changed = ort_loss_and_grads(model, lm_loss, LM_DESC, batch, apply_rewrites)
     # the embedding, q/k/v of both layers' packed in-projection, and the loss
     assert changed == 1 + 3 * 2 + 1
-    _assert_close((loss, grads), _torch_loss_and_grads(model, lm_loss, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, lm_loss, batch))
 
 
 def test_rewritten_graph_has_no_gather_grad_or_softmax_cross_entropy():
@@ -107,9 +59,9 @@ def test_cross_entropy_reductions_match_torch(reduction):
     torch.manual_seed(1)
     model = MLP()
     batch = mlp_batches(1, batch=8)[0]
-    loss, grads, changed = _ort_loss_and_grads(model, loss_fn, MLP_DESC, batch, decompose_softmax_cross_entropy)
+    loss, grads, changed = ort_loss_and_grads(model, loss_fn, MLP_DESC, batch, decompose_softmax_cross_entropy)
     assert changed == 1
-    _assert_close((loss, grads), _torch_loss_and_grads(model, loss_fn, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, loss_fn, batch))
 
 
 def test_cross_entropy_with_class_axis_one_of_three():
@@ -121,9 +73,9 @@ def test_cross_entropy_with_class_axis_one_of_three():
     torch.manual_seed(2)
     model = TinyLM(vocab=40, d_model=8, layers=1, heads=2)
     batch = lm_batches(1, batch=2, seq=5, vocab=40)[0]
-    loss, grads, changed = _ort_loss_and_grads(model, loss_fn, LM_DESC, batch, apply_rewrites)
+    loss, grads, changed = ort_loss_and_grads(model, loss_fn, LM_DESC, batch, apply_rewrites)
     assert changed == 1 + 3 + 1
-    _assert_close((loss, grads), _torch_loss_and_grads(model, loss_fn, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, loss_fn, batch))
 
 
 def test_class_weights_are_left_alone():
@@ -135,9 +87,9 @@ def test_class_weights_are_left_alone():
     torch.manual_seed(3)
     model = MLP()
     batch = mlp_batches(1, batch=8)[0]
-    loss, grads, changed = _ort_loss_and_grads(model, loss_fn, MLP_DESC, batch, decompose_softmax_cross_entropy)
+    loss, grads, changed = ort_loss_and_grads(model, loss_fn, MLP_DESC, batch, decompose_softmax_cross_entropy)
     assert changed == 0
-    _assert_close((loss, grads), _torch_loss_and_grads(model, loss_fn, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, loss_fn, batch))
 
 
 class _Int32Embedding(torch.nn.Module):
@@ -155,9 +107,9 @@ def test_int32_indices_get_a_cast():
     model = _Int32Embedding()
     tokens, label = lm_batches(1, batch=2, seq=7, vocab=30)[0]
     batch = (tokens.to(torch.int32), label)
-    loss, grads, changed = _ort_loss_and_grads(model, lm_loss, LM_DESC, batch, gather_to_gather_nd)
+    loss, grads, changed = ort_loss_and_grads(model, lm_loss, LM_DESC, batch, gather_to_gather_nd)
     assert changed == 1
-    _assert_close((loss, grads), _torch_loss_and_grads(model, lm_loss, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, lm_loss, batch))
 
 
 def test_non_float_and_non_zero_axis_gathers_are_left_alone():
@@ -191,9 +143,9 @@ def test_large_logits_stay_finite_and_match_torch():
     torch.manual_seed(5)
     model = MLP()
     batch = mlp_batches(1, batch=8)[0]
-    loss, grads, changed = _ort_loss_and_grads(model, loss_fn, MLP_DESC, batch, decompose_softmax_cross_entropy)
+    loss, grads, changed = ort_loss_and_grads(model, loss_fn, MLP_DESC, batch, decompose_softmax_cross_entropy)
     assert changed == 1
-    _assert_close((loss, grads), _torch_loss_and_grads(model, loss_fn, batch))
+    assert_close((loss, grads), torch_loss_and_grads(model, loss_fn, batch))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

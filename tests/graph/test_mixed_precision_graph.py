@@ -24,13 +24,13 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from ort_trainer.config.model_desc import validate_model_desc
 from ort_trainer.engine._session import build_training_graphs
 from ort_trainer.graph import _fp16_support
 from ort_trainer.graph._export import export_torch_model
 from ort_trainer.graph._fp16_support import fp16_support_reasons, model_op_types, provider_fp16_support
 from ort_trainer.graph._mixed_precision import LOSS_SCALE_INPUT, convert_to_mixed_precision, strip_loss_scaling
 from ort_trainer.graph._passes import add_optional_outputs
-from ort_trainer.model_desc import validate_model_desc
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
 
 CPU = ["CPUExecutionProvider"]

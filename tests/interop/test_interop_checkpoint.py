@@ -11,7 +11,7 @@ import torch
 
 from ort_trainer import ORTTrainer, checkpoint, optim
 from tests.models import MLP, MLP_DESC, mlp_batches
-from tests.test_checkpoint_aggregate import full_state, save_ranks
+from tests.rank_states import full_state, save_ranks
 from tests.trees import assert_trees_equal
 
 ce = torch.nn.functional.cross_entropy

@@ -15,7 +15,7 @@ from ort_trainer import checkpoint
 from tests.ranks import run_ranks
 from tests.trees import assert_trees_equal
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 
 

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
 from ort_trainer.optim import AdamConfig
 from ort_trainer.optim.lr_scheduler import (
     ConstantWarmupLRScheduler,

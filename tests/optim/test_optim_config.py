@@ -3,9 +3,9 @@
 import math
 
 import pytest
-from ort_trainer.optim import AdamConfig, DecayMode, LambConfig, SGDConfig
 
 from ort_trainer import optim
+from ort_trainer.optim import AdamConfig, DecayMode, LambConfig, SGDConfig
 
 
 def test_public_surface():

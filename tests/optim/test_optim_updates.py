@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
+
 from ort_trainer.optim import AdamConfig, DecayMode, FlatLayout, FlatOptimizer, LambConfig, ParamSlot, SGDConfig
 
 SHAPES = [("fc1.weight", (4, 3)), ("fc1.bias", (4,)), ("fc2.weight", (2, 4))]

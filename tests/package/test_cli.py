@@ -16,12 +16,12 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from ort_trainer.checkpoint import cli
-from ort_trainer.checkpoint.cli._diff import Difference, compare_tensors, format_diff
 
 from ort_trainer import checkpoint as C
+from ort_trainer.checkpoint import cli
+from ort_trainer.checkpoint.cli._diff import Difference, compare_tensors, format_diff
 from tests.paths import LEGACY_CHECKPOINT as LEGACY
-from tests.test_checkpoint_aggregate import assert_same, full_state, save_ranks
+from tests.rank_states import assert_same, full_state, save_ranks
 
 SCRIPT = Path(sys.executable).parent / "ort-trainer-ckpt"
 

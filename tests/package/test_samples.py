@@ -19,7 +19,7 @@ import torch
 from ort_trainer import checkpoint
 from tests.ranks import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

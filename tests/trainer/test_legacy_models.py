@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
-from ort_trainer.model_desc import InputDescription, InputDescriptionTyped, OutputDescriptionTyped
+from ort_trainer.config.model_desc import InputDescription, InputDescriptionTyped, OutputDescriptionTyped
 from tests.models import CNN, CNN_DESC, MLP, MLP_DESC, cnn_batches, mlp_batches
 
 ce = torch.nn.functional.cross_entropy
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _trainer(model, desc=MLP_DESC, loss_fn=ce, **options):

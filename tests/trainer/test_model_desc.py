@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from ort_trainer.model_desc import (
+from ort_trainer.config.model_desc import (
     InputDescription,
     InputDescriptionTyped,
     ModelDescription,

@@ -7,9 +7,9 @@ import importlib
 import onnxruntime
 import pytest
 from onnxruntime.training import PropagateCastOpsStrategy
-from ort_trainer.amp import DynamicLossScaler
 
-from ort_trainer.options import (
+from ort_trainer.amp import DynamicLossScaler
+from ort_trainer.config.options import (
     BatchOptions,
     OptionsError,
     OptionTypeError,

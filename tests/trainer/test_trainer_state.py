@@ -16,7 +16,7 @@ from tests.models import CNN, CNN_DESC, MLP, MLP_DESC, cnn_batches, mlp_batches
 from tests.paths import LEGACY_FIXTURES as FIXTURES
 
 ce = torch.nn.functional.cross_entropy
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _trainer(model=None, config=None, **options):

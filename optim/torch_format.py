@@ -8,7 +8,7 @@
 
 which is what ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, AdamW(...))``
 returns (fqn keys; ``Optimizer.state_dict()`` has int keys instead, which the caller maps to names).
-The step counters are related in one place, `optim._state.torch_step_for` / `update_count_for`.
+The step counters are related in one place, `optim.state.torch_step_for` / `update_count_for`.
 Everything torch cannot express (LAMB, Adam's legacy decay mode 1, no bias correction, SGD with
 momentum, AMSGrad, ...) raises ValueError naming the option.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import _state
+from . import state as _state
 from .config import DecayMode, _OptimizerConfig
 
 __all__ = ["check_torch_expressible", "from_torch_state", "to_torch_state"]
