@@ -1,4 +1,6 @@
-"""Moving checkpoints: asynchronous saves, host snapshots, and storage behind fsspec URLs.
+"""Moving checkpoints: asynchronous saves, host snapshots, rank-set writes, storage behind fsspec URLs.
+
+Imports go one way: ``io`` uses ``sets`` (manifests) and ``format`` (the file writer); neither imports ``io``.
 
 - ``_location``: a local path or an fsspec URL (``s3://``, ``memory://``...) behind one small interface,
   with atomic publish (temporary key, then move) and errors that name the URL;
@@ -6,6 +8,7 @@
   remote files for the readers;
 - ``_snapshot``: the reusable host copy of a state that an asynchronous save writes from;
 - ``_async``: the background writer (one save at a time, errors kept for the next call) and ``SaveHandle``;
+- ``_set_writer``: a distributed save (agree on the target, every rank writes its file, rank 0 the manifest);
 - ``_scheduler``: the trainer's save scheduler, ``CheckpointIO`` (now or in the background, one file or one
   file per rank) and ``write_checkpoint``.
 """

@@ -25,9 +25,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import CheckpointExistsError
-from ..sets._writer import plan_set_save, write_set
+from ..format._h5_writer import save_to_checked_target
 from ._async import AsyncWriter, SaveHandle
 from ._location import Location
+from ._set_writer import plan_set_save, write_set
 from ._transfer import save_tree
 
 __all__ = ["CheckpointIO", "write_checkpoint"]
@@ -105,10 +106,9 @@ def write_checkpoint(
     """
     label = target.display
     if ctx is None:
-        _check_single_target(target, overwrite)
+        _check_single_target(target, overwrite)  # the one check of the target, on the calling thread
         if not async_save:
-            save_tree(state, target, overwrite=overwrite)
-            return SaveHandle.completed(label, [label])
+            return SaveHandle.completed(label, _save_one(state, target, overwrite))
         snapshot, finish = io.writer.snapshot.take(state, defer)
         return io.writer.submit(lambda: _save_one(snapshot, target, overwrite), label, prepare=finish)
     default = _Collective(ctx.rank, ctx.world_size)
@@ -123,5 +123,9 @@ def write_checkpoint(
 
 
 def _save_one(tree: Mapping[str, Any], target: Location, overwrite: bool) -> list[str]:
-    save_tree(tree, target, overwrite=overwrite)
+    """Write one file at the checked ``target``: straight into the atomic writer when it is local."""
+    if target.remote:
+        save_tree(tree, target, overwrite=overwrite)
+    else:
+        save_to_checked_target(tree, target.path, overwrite=overwrite)
     return [target.display]

@@ -24,17 +24,17 @@ from ort_trainer.checkpoint import io as _io
 from ort_trainer.checkpoint.format import schema as S
 from ort_trainer.checkpoint.io import CheckpointIO, write_checkpoint
 from ort_trainer.checkpoint.sets import is_manifest
+from ort_trainer.engine import TrainerState
 
 from ._compose import trainer_state_dict
 from ._load import _apply, _validate, load_trainer_state_dict
-from ._owner import StateOwner
 from ._stateful import encode_stateful, load_stateful, own_rank_section
 
 __all__ = ["checkpoint_io", "load_trainer_checkpoint", "save_trainer_checkpoint"]
 
 
 def save_trainer_checkpoint(
-    trainer: StateOwner,
+    trainer: TrainerState,
     path: str | os.PathLike,
     user_dict: Mapping | None,
     include_optimizer_states: bool,
@@ -65,10 +65,10 @@ def save_trainer_checkpoint(
         state[S.STATEFUL_KEY] = stored_stateful
     return write_checkpoint(
         io,
-        trainer._dist,
+        trainer.dist,
         state,
         target,
-        step=trainer._train_step_info.step,
+        step=trainer.train_step_info.step,
         overwrite=overwrite,
         async_save=bool(async_save),
         distributed_key=(S.DISTRIBUTED_KEY, S.RUN_ID_KEY),
@@ -76,25 +76,25 @@ def save_trainer_checkpoint(
     )
 
 
-def _updated_by_the_optimizer(trainer: StateOwner):
+def _updated_by_the_optimizer(trainer: TrainerState):
     """Keys of the tensors only the optimizer update changes (trainable weights, optimizer state): an
     asynchronous save copies them on its own thread while the next forward/backward runs, and the
     trainer waits for that copy before its next update (`ORTTrainer._update`). Everything else (e.g.
     BatchNorm statistics, written by every training run) is copied during the call."""
-    trainable = frozenset(trainer._store.param_views)
+    trainable = frozenset(trainer.store.param_views)
     model = (S.MODEL_KEY, S.FULL_PRECISION_KEY)
     return lambda key: key[0] == S.OPTIMIZER_KEY or (key[:2] == model and len(key) == 3 and key[2] in trainable)
 
 
-def checkpoint_io(trainer: StateOwner) -> CheckpointIO:
+def checkpoint_io(trainer: TrainerState) -> CheckpointIO:
     """The trainer's background writer (created on first use)."""
-    if trainer._checkpoint_io is None:
-        trainer._checkpoint_io = CheckpointIO()
-    return trainer._checkpoint_io
+    if trainer.checkpoint_io is None:
+        trainer.checkpoint_io = CheckpointIO()
+    return trainer.checkpoint_io
 
 
 def load_trainer_checkpoint(
-    trainer: StateOwner,
+    trainer: TrainerState,
     paths: Sequence[str | os.PathLike],
     *,
     strict: bool,
@@ -111,14 +111,14 @@ def load_trainer_checkpoint(
     """
     if len(paths) == 0:
         raise ValueError("load_checkpoint needs at least one path")
-    if trainer._checkpoint_io is not None:
-        trainer._checkpoint_io.wait()
+    if trainer.checkpoint_io is not None:
+        trainer.checkpoint_io.wait()
     with _io.local_inputs(list(paths), storage_options) as local:
         return _load_local(trainer, local, strict=strict, allow_pickle=allow_pickle, stateful=stateful)
 
 
 def _load_local(
-    trainer: StateOwner, paths: Sequence, *, strict: bool, allow_pickle: bool, stateful: Mapping[str, Any] | None
+    trainer: TrainerState, paths: Sequence, *, strict: bool, allow_pickle: bool, stateful: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     if _is_partitioned_set(paths):
         full = checkpoint.aggregate_checkpoints(list(paths) if len(paths) > 1 else paths[0])
@@ -132,7 +132,7 @@ def _load_local(
         sections = _own_sections(trainer, {k: reader.read(k) for k in _SECTION_KEYS if k in reader.keys()})
         user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, reader.path)
         undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(reader.path))
-        if trainer._engine is None or trainer._engine.zero is not None:
+        if trainer.engine is None or trainer.engine.zero is not None:
             tree = reader.read()
             for key in _SECTION_KEYS:
                 tree.pop(key, None)
@@ -146,9 +146,9 @@ def _load_local(
 _SECTION_KEYS = (S.USER_DICT_KEY, S.RANK_USER_DICTS_KEY, S.STATEFUL_KEY, S.RANK_STATEFUL_KEY)
 
 
-def _own_sections(trainer: StateOwner, tree: dict) -> dict[str, Any]:
+def _own_sections(trainer: TrainerState, tree: dict) -> dict[str, Any]:
     """This rank's user_dict and stateful group (popped from ``tree``), see `own_rank_section`."""
-    ctx = trainer._dist
+    ctx = trainer.dist
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (None, None)
     return {key: own_rank_section(tree, key, rank, world) for key in (S.USER_DICT_KEY, S.STATEFUL_KEY)}
 
@@ -191,7 +191,7 @@ def _decode(tree: Any, allow_pickle: bool, source: Any) -> dict[str, Any]:
     return checkpoint.decode_user_dict(tree, allow_pickle=allow_pickle, source=str(source))
 
 
-def _load_into_engine(trainer: StateOwner, reader: checkpoint.CheckpointReader, strict: bool) -> None:
+def _load_into_engine(trainer: TrainerState, reader: checkpoint.CheckpointReader, strict: bool) -> None:
     """Phase 1: a state whose big tensors are shape-only placeholders is fully validated.
     Phase 2: read the big tensors straight into the live buffers, then apply the rest."""
     keys = reader.keys()
@@ -204,7 +204,7 @@ def _load_into_engine(trainer: StateOwner, reader: checkpoint.CheckpointReader, 
     if S.OPTIMIZER_KEY in keys:
         state[S.OPTIMIZER_KEY] = _optimizer_placeholders(reader)
     plan = _validate(trainer, state, strict)
-    engine = trainer._engine
+    engine = trainer.engine
     targets = {**engine.param_views, **engine.frozen}
     for name in plan.pop("weights"):
         _read_into(reader, (S.MODEL_KEY, S.FULL_PRECISION_KEY, name), targets[name])

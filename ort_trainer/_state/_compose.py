@@ -14,17 +14,17 @@ import torch
 
 from ort_trainer.checkpoint.format import encode_user_value
 from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.engine import TrainerState
 
 from ..graph._names import canonical_name
 from . import _ranks
 from ._options import StateDictOptions, resolve_options
-from ._owner import StateOwner
 
 __all__ = ["select_submodules", "trainer_state_dict"]
 
 
 def trainer_state_dict(
-    trainer: StateOwner,
+    trainer: TrainerState,
     pytorch_format: bool = False,
     copy_tensors: bool = True,
     *,
@@ -44,15 +44,15 @@ def trainer_state_dict(
     if prefixes is not None:
         state = _only_submodules(state, prefixes, opts.keep_submodule_prefixes, pytorch_format)
     if opts.cpu_offload:
-        dist = trainer._store.dist
+        dist = trainer.store.dist
         if opts.full_state_dict and dist is not None and dist.rank != 0:
             return {}  # torch's rule: with a full state offloaded to the CPU, only rank 0 holds it
         state = _map_tensors(state, lambda t: t.cpu())
     return state
 
 
-def _legacy_state(trainer: StateOwner, copy_tensors: bool, full: bool) -> dict[str, Any]:
-    store = trainer._store
+def _legacy_state(trainer: TrainerState, copy_tensors: bool, full: bool) -> dict[str, Any]:
+    store = trainer.store
     clone = _clone if copy_tensors else (lambda t: t.detach())
     model: dict[str, Any] = {S.FULL_PRECISION_KEY: {k: clone(v) for k, v in store.weights.items()}}
     if store.extra_state:
@@ -65,7 +65,7 @@ def _legacy_state(trainer: StateOwner, copy_tensors: bool, full: bool) -> dict[s
         if store.zero is not None:
             state[S.PARTITION_INFO_KEY] = store.zero.partition_info()
     state[S.TRAINER_OPTIONS_KEY] = _trainer_options(trainer, single=full)
-    state[S.TRAIN_STEP_INFO_KEY] = trainer._train_step_info.state_dict()
+    state[S.TRAIN_STEP_INFO_KEY] = trainer.train_step_info.state_dict()
     if trainer.options.lr_scheduler is not None:
         state[S.LR_SCHEDULER_KEY] = trainer.options.lr_scheduler.state_dict()
     if trainer.options.mixed_precision.enabled:
@@ -82,7 +82,7 @@ def _storable(name: str, value: Any) -> Any:
         return copy.deepcopy(value)
 
 
-def _trainer_options(trainer: StateOwner, single: bool = False) -> dict[str, Any]:
+def _trainer_options(trainer: TrainerState, single: bool = False) -> dict[str, Any]:
     """``trainer_options``; ``single``: as a one-process state (what aggregating a save gives)."""
     dist = trainer.options.distributed
     options = {
@@ -94,7 +94,7 @@ def _trainer_options(trainer: StateOwner, single: bool = False) -> dict[str, Any
         S.DATA_PARALLEL_SIZE_KEY: int(dist.data_parallel_size),
         S.HORIZONTAL_PARALLEL_SIZE_KEY: int(dist.horizontal_parallel_size),
     }
-    if single and trainer._store.dist is not None:
+    if single and trainer.store.dist is not None:
         for key in (S.ZERO_STAGE_KEY, S.WORLD_RANK_KEY):
             options[key] = 0
         for key in (S.WORLD_SIZE_KEY, S.DATA_PARALLEL_SIZE_KEY, S.HORIZONTAL_PARALLEL_SIZE_KEY):
@@ -102,9 +102,9 @@ def _trainer_options(trainer: StateOwner, single: bool = False) -> dict[str, Any
     return options
 
 
-def _pytorch_state(trainer: StateOwner) -> dict[str, Any]:
+def _pytorch_state(trainer: TrainerState) -> dict[str, Any]:
     """``{fqn: value}`` in the module's ``state_dict()`` order, accepted by its ``load_state_dict(strict=True)``."""
-    store = trainer._store
+    store = trainer.store
     module_state = store.state
     weights = store.weights
     result: dict[str, Any] = {}
@@ -123,8 +123,8 @@ def _pytorch_state(trainer: StateOwner) -> dict[str, Any]:
     return result
 
 
-def _without_frozen(trainer: StateOwner, state: dict, pytorch_format: bool) -> dict:
-    store = trainer._store
+def _without_frozen(trainer: TrainerState, state: dict, pytorch_format: bool) -> dict:
+    store = trainer.store
     frozen = set(store.frozen_parameters)
     if pytorch_format:
         return {k: v for k, v in state.items() if store.state.aliases.get(k) not in frozen}
@@ -135,13 +135,13 @@ def _without_frozen(trainer: StateOwner, state: dict, pytorch_format: bool) -> d
     return state
 
 
-def select_submodules(trainer: StateOwner, submodules: Iterable[Any] | None) -> list[str] | None:
+def select_submodules(trainer: TrainerState, submodules: Iterable[Any] | None) -> list[str] | None:
     """Canonical name prefixes of ``submodules`` (names, or module objects of the trainer's module)."""
     if submodules is None:
         return None
     if isinstance(submodules, str | torch.nn.Module):
         submodules = [submodules]
-    known = _module_names(trainer._model) if isinstance(trainer._model, torch.nn.Module) else {}
+    known = _module_names(trainer.model) if isinstance(trainer.model, torch.nn.Module) else {}
     prefixes = []
     for item in submodules:
         name = known.get(id(item)) if isinstance(item, torch.nn.Module) else item

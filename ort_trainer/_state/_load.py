@@ -17,12 +17,13 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.format import decode_user_value, encode_user_value
 from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.engine import TrainerState
+from ort_trainer.engine._rank_check import note_load
 from ort_trainer.optim import state as optim_state
 
 from ..graph._names import KeyMatcher
 from . import _ranks
 from ._options import StateDictOptions, resolve_options
-from ._owner import StateOwner
 
 __all__ = ["load_trainer_state_dict"]
 
@@ -43,13 +44,13 @@ _WEIGHTS = f"state_dict[{S.MODEL_KEY}][{S.FULL_PRECISION_KEY}]"
 
 
 def load_trainer_state_dict(
-    trainer: StateOwner, state: Mapping, strict: bool = True, *, options: StateDictOptions | Any = None
+    trainer: TrainerState, state: Mapping, strict: bool = True, *, options: StateDictOptions | Any = None
 ) -> _IncompatibleKeys:
     """Validate ``state`` completely, then apply it; returns torch's ``_IncompatibleKeys``."""
     opts = resolve_options(options)
     strict = bool(strict) and opts.strict
     if opts.broadcast_from_rank0:
-        state = _ranks.broadcast_from_rank0(trainer._store, state, check_input)
+        state = _ranks.broadcast_from_rank0(trainer.store, state, check_input)
     check_input(state)
     missing, unexpected = [], []
     if _is_pytorch_format(state):
@@ -88,10 +89,10 @@ def _is_pytorch_format(state: Mapping) -> bool:
 
 
 def _from_pytorch(
-    trainer: StateOwner, state: Mapping, strict: bool, opts: StateDictOptions
+    trainer: TrainerState, state: Mapping, strict: bool, opts: StateDictOptions
 ) -> tuple[dict, list[str], list[str]]:
     """``{fqn: tensor}`` (any wrapper prefixes) as our layout's model section, with missing/unexpected keys."""
-    store = trainer._store
+    store = trainer.store
     module = store.state
     known = set(module.aliases) | set(module.initial) | set(store.extra_state)
     matched, unexpected = KeyMatcher(known).match(state.keys(), "state_dict")
@@ -128,7 +129,7 @@ def _encoded(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- validation (phase 1)
-def _validate(trainer: StateOwner, state: Mapping, strict: bool, opts: StateDictOptions | None = None) -> dict:
+def _validate(trainer: TrainerState, state: Mapping, strict: bool, opts: StateDictOptions | None = None) -> dict:
     """Check everything; return what `_apply` will copy. Raises before any change.
 
     Meta tensors are accepted here as shape/dtype placeholders (``load_checkpoint`` validates a file
@@ -144,7 +145,7 @@ def _validate(trainer: StateOwner, state: Mapping, strict: bool, opts: StateDict
     info = _validate_small_state(trainer, state, plan)
     if S.OPTIMIZER_KEY in state:
         _check_optimizer_name(trainer, state)
-        optimizer = trainer._store.optimizer
+        optimizer = trainer.store.optimizer
         optimizer.validate_state_dict(state[S.OPTIMIZER_KEY], strict=strict)
         missing, unexpected = optimizer.incompatible_keys(state[S.OPTIMIZER_KEY], S.OPTIMIZER_KEY)
         plan["missing"] += missing
@@ -154,8 +155,8 @@ def _validate(trainer: StateOwner, state: Mapping, strict: bool, opts: StateDict
     return plan
 
 
-def _validate_model(trainer: StateOwner, state: Mapping, strict: bool, opts: StateDictOptions, plan: dict) -> None:
-    store = trainer._store
+def _validate_model(trainer: TrainerState, state: Mapping, strict: bool, opts: StateDictOptions, plan: dict) -> None:
+    store = trainer.store
     if S.MODEL_KEY not in state and not strict:
         plan["weights"] = {}
         return
@@ -201,11 +202,11 @@ def _check_keys(current: Mapping, loaded: Mapping, where: str, strict: bool, opt
     plan["unexpected"] += [f"{path}/{k}" for k in unexpected]
 
 
-def _validate_small_state(trainer: StateOwner, state: Mapping, plan: dict) -> Any:
+def _validate_small_state(trainer: TrainerState, state: Mapping, plan: dict) -> Any:
     """train_step_info, lr_scheduler, loss_scaler: each loaded into a copy first. Returns the step info to be."""
-    info = trainer._train_step_info
+    info = trainer.train_step_info
     if S.TRAIN_STEP_INFO_KEY in state:
-        info = copy.deepcopy(trainer._train_step_info)
+        info = copy.deepcopy(trainer.train_step_info)
         info.load_state_dict(state[S.TRAIN_STEP_INFO_KEY])
         plan["train_step_info"] = state[S.TRAIN_STEP_INFO_KEY]
     scheduler = trainer.options.lr_scheduler
@@ -219,7 +220,7 @@ def _validate_small_state(trainer: StateOwner, state: Mapping, plan: dict) -> An
     return info
 
 
-def _check_counters(trainer: StateOwner, optimizer: Mapping, info: Any) -> None:
+def _check_counters(trainer: TrainerState, optimizer: Mapping, info: Any) -> None:
     """Every Update_Count (LAMB: Step) must be optimization_step + 1: it sets Adam's bias correction."""
     expected = optim_state.update_count_for(info.optimization_step)
     because = f"train_step_info.optimization_step is {info.optimization_step}"
@@ -233,7 +234,7 @@ def _check_counters(trainer: StateOwner, optimizer: Mapping, info: Any) -> None:
         )
 
 
-def _check_optimizer_name(trainer: StateOwner, state: Mapping) -> None:
+def _check_optimizer_name(trainer: TrainerState, state: Mapping) -> None:
     options = state.get(S.TRAINER_OPTIONS_KEY)
     if not isinstance(options, Mapping) or S.OPTIMIZER_NAME_KEY not in options:
         return
@@ -267,9 +268,9 @@ def _as_tensor(value: Any, target: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- apply (phase 2)
-def _apply(trainer: StateOwner, plan: Mapping[str, Any]) -> None:
+def _apply(trainer: TrainerState, plan: Mapping[str, Any]) -> None:
     """Copy a validated plan into the live state (nothing here can fail on a validated plan)."""
-    store = trainer._store
+    store = trainer.store
     current = store.weights
     with torch.no_grad():
         for name, value in plan["weights"].items():
@@ -278,10 +279,10 @@ def _apply(trainer: StateOwner, plan: Mapping[str, Any]) -> None:
     if "optimizer" in plan:
         store.optimizer.load_state_dict(plan["optimizer"], strict=False)
     if "train_step_info" in plan:
-        trainer._train_step_info.load_state_dict(plan["train_step_info"])
-    store.optimizer.set_update_count(optim_state.update_count_for(trainer._train_step_info.optimization_step))
+        trainer.train_step_info.load_state_dict(plan["train_step_info"])
+    store.optimizer.set_update_count(optim_state.update_count_for(trainer.train_step_info.optimization_step))
     if "lr_scheduler" in plan:
         trainer.options.lr_scheduler.load_state_dict(plan["lr_scheduler"])
     if "loss_scaler" in plan:
         trainer.options.mixed_precision.loss_scaler.load_state_dict(plan["loss_scaler"])
-    _ranks.note_load(store)
+    note_load(store)

@@ -15,21 +15,21 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.engine import TrainerState
 from ort_trainer.optim.torch_format import check_torch_expressible, from_torch_state, to_torch_state
 
 from ..graph._names import KeyMatcher, canonical_name
 from . import _ranks
 from ._load import load_trainer_state_dict
 from ._options import StateDictOptions, resolve_options
-from ._owner import StateOwner
 
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
 
 
-def optimizer_state_dict(trainer: StateOwner, options: StateDictOptions | Any = None) -> dict[str, Any]:
+def optimizer_state_dict(trainer: TrainerState, options: StateDictOptions | Any = None) -> dict[str, Any]:
     """``{"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}`` (torch.optim.AdamW/SGD)."""
     opts = resolve_options(options)
-    store = trainer._store
+    store = trainer.store
     check_torch_expressible(trainer.optim_config)
     if store.zero is not None and not opts.full_state_dict:
         raise ValueError(
@@ -47,15 +47,15 @@ def optimizer_state_dict(trainer: StateOwner, options: StateDictOptions | Any = 
     return result
 
 
-def _current_lr(trainer: StateOwner) -> float:
+def _current_lr(trainer: TrainerState) -> float:
     scheduler = trainer.options.lr_scheduler
     if scheduler is None:
         return float(trainer.optim_config.lr)
-    return float(scheduler.get_lr(trainer._train_step_info))
+    return float(scheduler.get_lr(trainer.train_step_info))
 
 
 def load_optimizer_state_dict(
-    trainer: StateOwner,
+    trainer: TrainerState,
     state: Mapping[str, Any],
     *,
     model: torch.nn.Module | None = None,
@@ -66,7 +66,7 @@ def load_optimizer_state_dict(
     if not isinstance(state, Mapping) or "state" not in state or "param_groups" not in state:
         raise TypeError("optimizer state must be a dict with 'state' and 'param_groups' (torch.optim's format)")
     check_torch_expressible(trainer.optim_config)
-    store = trainer._store
+    store = trainer.store
     names = _index_names(trainer, state, model, optimizer)
     renamed = _canonical(trainer, state, names)
     shapes = {name: tuple(store.layout[name].shape) for name in store.layout.names}
@@ -83,7 +83,7 @@ def load_optimizer_state_dict(
 
 
 def _index_names(
-    trainer: StateOwner, state: Mapping, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
+    trainer: TrainerState, state: Mapping, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
 ) -> dict[int, str] | None:
     """For int-keyed states (``Optimizer.state_dict()``): parameter index -> canonical name."""
     groups = state["param_groups"]
@@ -105,9 +105,9 @@ def _index_names(
     return _by_model_order(trainer, groups, by_id, model)
 
 
-def _by_model_order(trainer: StateOwner, groups: Sequence, by_id: dict, model: torch.nn.Module) -> dict[int, str]:
+def _by_model_order(trainer: TrainerState, groups: Sequence, by_id: dict, model: torch.nn.Module) -> dict[int, str]:
     """Torch group g numbers our group g's parameters in model order (how AdamW(model.parameters()) does)."""
-    store = trainer._store
+    store = trainer.store
     ours: dict[int, list[str]] = {}
     for name in store.layout.names:
         ours.setdefault(trainer.optim_config.group_index(name), []).append(name)
@@ -125,9 +125,9 @@ def _by_model_order(trainer: StateOwner, groups: Sequence, by_id: dict, model: t
     }
 
 
-def _canonical(trainer: StateOwner, state: Mapping, names: dict[int, str] | None) -> dict[str, Any]:
+def _canonical(trainer: TrainerState, state: Mapping, names: dict[int, str] | None) -> dict[str, Any]:
     """``state`` with every parameter key as the trainer's canonical name (aliases and prefixes resolved)."""
-    module = trainer._store.state
+    module = trainer.store.state
     matcher = KeyMatcher(module.aliases)
 
     def rename(key: Any) -> Any:

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from ort_trainer import checkpoint
+from ort_trainer.checkpoint.io import _set_writer as _writer
 from ort_trainer.checkpoint.io import resolve
-from ort_trainer.checkpoint.sets import _writer
 
 
 class ThreadGroup:

@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format import _schema as S
-from ..io._location import Location
-from ..io._transfer import FileRecord, read_manifest_at, write_file
-from ._manifest import Manifest, ManifestEntry, manifest_bytes, rank_file_name, split_suffix
+from ..sets._manifest import Manifest, ManifestEntry, manifest_bytes, rank_file_name, split_suffix
+from ._location import Location
+from ._transfer import FileRecord, read_manifest_at, write_file
 
 __all__ = ["Collective", "SetPlan", "plan_set_save", "remove_set", "write_set"]
 
