@@ -41,4 +41,3 @@ def assert_full_state_equal(got, expected, atol=2e-6):
         for key, value in entry.items():
             torch.testing.assert_close(got["optimizer"][name][key], value, atol=atol, rtol=1e-5, msg=f"{name}/{key}")
     assert got["train_step_info"] == expected["train_step_info"]
-

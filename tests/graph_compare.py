@@ -62,4 +62,3 @@ def assert_close(ort_result, torch_result, rtol=1e-5):
         scale = expected[name].abs().max().item()
         error = (grad - expected[name]).abs().max().item()
         assert error <= rtol * scale + 1e-9, f"{name}: max error {error:.3g} vs max |grad| {scale:.3g}"
-

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ort_trainer import checkpoint as C
+from tests.builders import legacy_trainer_options
 
 SHAPES = {"w1": (16, 14), "b1": (12,), "w2": (12, 8), "b2": (8,), "scale": ()}
 
@@ -31,15 +32,7 @@ def full_state(optimizer: str = "AdamOptimizer", seed: int = 0, shapes: dict | N
     return {
         "model": {"full_precision": model},
         "optimizer": opt,
-        "trainer_options": {
-            "mixed_precision": False,
-            "zero_stage": 0,
-            "world_rank": 0,
-            "world_size": 1,
-            "optimizer_name": optimizer,
-            "data_parallel_size": 1,
-            "horizontal_parallel_size": 1,
-        },
+        "trainer_options": legacy_trainer_options(optimizer_name=optimizer),
         "train_step_info": {"optimization_step": 8, "step": 16},
         "lr_scheduler": {"last_step": 8, "base_lr": 0.001},
         "loss_scaler": {"loss_scale": 1024.0, "stable_steps": 3},
@@ -72,4 +65,3 @@ def save_ranks(states, folder: Path, stem: str = "ckpt.ortcp") -> list[Path]:
         C.save(state, path)
         paths.append(path)
     return paths
-

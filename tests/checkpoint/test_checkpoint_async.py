@@ -10,16 +10,10 @@ import time
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, checkpoint, optim
-from tests.models import MLP, MLP_DESC, mlp_batches
+from ort_trainer import checkpoint
+from tests.builders import mlp_trainer
+from tests.models import mlp_batches
 from tests.paths import REPO
-
-
-def _trainer(hidden: int = 16) -> ORTTrainer:
-    torch.manual_seed(0)
-    return ORTTrainer(
-        MLP(hidden=hidden), MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=torch.nn.functional.cross_entropy
-    )
 
 
 def _flat(state: dict) -> dict[str, torch.Tensor]:
@@ -30,7 +24,7 @@ def _flat(state: dict) -> dict[str, torch.Tensor]:
 
 
 def test_async_save_writes_the_state_of_the_call_while_training_goes_on(tmp_path):
-    trainer = _trainer(hidden=4096)  # ~100k parameters: big tensors go through the reused snapshot buffer
+    trainer = mlp_trainer(hidden=4096)  # ~100k parameters: big tensors go through the reused snapshot buffer
     batches = mlp_batches(6)
     trainer.train_step(*batches[0])
     expected = _flat(trainer.state_dict())
@@ -54,7 +48,7 @@ def test_async_save_writes_the_state_of_the_call_while_training_goes_on(tmp_path
     trainer.train_step(*batches[4])
     second.wait()
     assert snapshot._buffer.data_ptr() == pointer
-    resumed = _trainer(hidden=4096)
+    resumed = mlp_trainer(hidden=4096)
     resumed.load_checkpoint(tmp_path / "b.ortcp")
     resumed.train_step(*batches[4])
     trainer_state, resumed_state = _flat(trainer.state_dict()), _flat(resumed.state_dict())
@@ -66,7 +60,7 @@ def test_the_next_update_waits_for_the_weights_to_be_copied(tmp_path, monkeypatc
     optimizer update must not change them before that copy is done (here the copy is made slow)."""
     real_copy = checkpoint.io._snapshot._copy
     monkeypatch.setattr(checkpoint.io._snapshot, "_copy", lambda pairs: (time.sleep(0.5), real_copy(pairs)))
-    trainer = _trainer(hidden=4096)
+    trainer = mlp_trainer(hidden=4096)
     batches = mlp_batches(3)
     trainer.train_step(*batches[0])
     expected = _flat(trainer.state_dict())
@@ -82,7 +76,7 @@ def test_the_next_update_waits_for_the_weights_to_be_copied(tmp_path, monkeypatc
 
 
 def test_the_next_save_waits_for_the_previous_one_and_legacy_positional_arguments_work(tmp_path):
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*mlp_batches(1)[0])
     first = trainer.save_checkpoint(tmp_path / "a.ortcp", async_save=True)
     trainer.save_checkpoint(tmp_path / "b.ortcp", {"epoch": 2}, True, True)  # legacy positional arguments
@@ -102,7 +96,7 @@ def _failing_writes(monkeypatch) -> None:
 
 
 def test_a_background_failure_is_raised_by_the_next_call_once(tmp_path, monkeypatch):
-    trainer = _trainer()
+    trainer = mlp_trainer()
     batch = mlp_batches(1)[0]
     trainer.train_step(*batch)
     _failing_writes(monkeypatch)
@@ -124,15 +118,15 @@ def test_a_background_failure_is_raised_by_the_next_call_once(tmp_path, monkeypa
 EXIT_SCRIPT = """
 import sys, time, torch
 from ort_trainer import ORTTrainer, optim
-from ort_trainer.checkpoint.io import _transfer
+from ort_trainer.checkpoint.io import _scheduler
 from tests.models import MLP, MLP_DESC, mlp_batches
-real_save = _transfer.save
+real_save = _scheduler.save_to_checked_target
 def slow_save(tree, path, *, overwrite=False):  # still running when the script ends
     time.sleep(0.5)
     if "fail" in str(path):
         raise OSError(28, "No space left on device", str(path))
     real_save(tree, path, overwrite=overwrite)
-_transfer.save = slow_save
+_scheduler.save_to_checked_target = slow_save
 for path in sys.argv[1:]:
     trainer = ORTTrainer(MLP(hidden=4096), MLP_DESC, optim.AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
     trainer.train_step(*mlp_batches(1)[0])
@@ -141,6 +135,7 @@ print("returned", flush=True)   # the script ends here, with both saves still ru
 """
 
 
+@pytest.mark.processes
 def test_process_exit_waits_for_unfinished_saves_and_reports_a_failure_nobody_saw(tmp_path):
     ok, failing = tmp_path / "exit.ortcp", tmp_path / "fail.ortcp"
     result = subprocess.run(

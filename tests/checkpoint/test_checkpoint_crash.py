@@ -26,7 +26,7 @@ import pytest
 from ort_trainer import checkpoint as C
 from tests.paths import REPO
 
-pytestmark = pytest.mark.faults  # SIGKILL loop: part of `make test-faults`
+pytestmark = [pytest.mark.faults, pytest.mark.processes]  # SIGKILL loop: part of `make test-faults`
 
 TREE_CODE = """
 import numpy as np
@@ -135,7 +135,9 @@ def test_sigkill_during_save_leaves_old_or_new_checkpoint(tmp_path, kind):
         watchdog.cancel()
     assert advanced > 0, "no save ever completed between kills"
     assert strays, "no kill landed in the middle of a save"
-    print(f"{KILLS[kind]} kills ({kind}), {advanced} rounds saw a newer version, {len(strays)} killed saves left a "
-          f"temporary file, never more than {most} at once")
+    print(
+        f"{KILLS[kind]} kills ({kind}), {advanced} rounds saw a newer version, {len(strays)} killed saves left a "
+        f"temporary file, never more than {most} at once"
+    )
     C.save(make_tree(seen + 1, kind), path, overwrite=True)  # the next save removes the last one
     assert [p.name for p in tmp_path.iterdir()] == ["c.ortcp"]

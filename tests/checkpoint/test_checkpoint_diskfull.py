@@ -22,6 +22,8 @@ import pytest
 
 from tests.paths import REPO
 
+pytestmark = pytest.mark.processes  # every test here starts other processes
+
 CHILD = r"""
 import errno, gc, json, os, resource, signal, sys
 from pathlib import Path

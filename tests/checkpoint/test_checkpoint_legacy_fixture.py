@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ort_trainer import checkpoint as C
+from tests.builders import legacy_trainer_options
 from tests.paths import LEGACY_CHECKPOINT as LEGACY
 from tests.paths import LEGACY_STATE_NPZ as EXPECTED
 
@@ -32,15 +33,7 @@ def test_arrays_equal_the_npz():
 
 def test_trainer_options_and_step_info_are_python_values():
     state = C.load(LEGACY)
-    assert state["trainer_options"] == {
-        "mixed_precision": False,
-        "zero_stage": 0,
-        "world_rank": 0,
-        "world_size": 1,
-        "optimizer_name": "AdamOptimizer",
-        "data_parallel_size": 1,
-        "horizontal_parallel_size": 1,
-    }
+    assert state["trainer_options"] == legacy_trainer_options()
     assert type(state["trainer_options"]["optimizer_name"]) is str
     assert type(state["trainer_options"]["mixed_precision"]) is bool
     assert state["train_step_info"] == {"optimization_step": 8, "step": 8}

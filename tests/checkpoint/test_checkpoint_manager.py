@@ -9,20 +9,14 @@ import sys
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, checkpoint, optim
+from ort_trainer import checkpoint
 from ort_trainer.checkpoint import CheckpointManager
 from ort_trainer.checkpoint.manager._policy import RetentionPolicy
-from tests.models import MLP, MLP_DESC, mlp_batches
+from tests.builders import mlp_trainer
+from tests.models import mlp_batches
 from tests.paths import REPO
 
 BATCHES = mlp_batches(8)
-
-
-def _trainer(hidden: int = 16) -> ORTTrainer:
-    torch.manual_seed(0)
-    return ORTTrainer(
-        MLP(hidden=hidden), MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=torch.nn.functional.cross_entropy
-    )
 
 
 def _names(folder) -> list[str]:
@@ -50,7 +44,7 @@ def test_pruning_keeps_the_rules_and_never_touches_foreign_files(tmp_path):
     (run / "notes.txt").write_text("mine")
     checkpoint.save({"x": 1}, run / "ckpt-000000099.ortcp")  # named like ours, but not written by the manager
     manager = CheckpointManager(run, keep_last=2, keep_every_n_steps=4)
-    trainer = _trainer()
+    trainer = mlp_trainer()
     for step, batch in enumerate(BATCHES[:6], start=1):
         trainer.train_step(*batch)
         handle = manager.save(trainer, metrics={"loss": 1.0 / step})
@@ -75,7 +69,7 @@ def test_pruning_keeps_the_rules_and_never_touches_foreign_files(tmp_path):
 
 def test_async_manager_prunes_after_the_new_checkpoint_is_durable(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=1, async_save=True)
-    trainer = _trainer(hidden=2048)
+    trainer = mlp_trainer(hidden=2048)
     for batch in BATCHES[:3]:
         trainer.train_step(*batch)
         manager.save(trainer)
@@ -92,7 +86,7 @@ def _flip_a_data_byte(path) -> None:
 
 def test_restore_takes_the_latest_complete_checkpoint_skipping_damaged_and_unfinished_ones(tmp_path):
     manager = CheckpointManager(tmp_path)
-    trainer = _trainer()
+    trainer = mlp_trainer()
     saved = {}
     for step, batch in enumerate(BATCHES[:3], start=1):
         trainer.train_step(*batch)
@@ -103,7 +97,7 @@ def test_restore_takes_the_latest_complete_checkpoint_skipping_damaged_and_unfin
     index["checkpoints"].append({"step": 4, "name": "ckpt-000000004.ortcp", "metrics": {}, "time": 0.0})
     (tmp_path / "ort_trainer_checkpoints.json").write_text(json.dumps(index))
 
-    fresh = _trainer()
+    fresh = mlp_trainer()
     with pytest.warns(UserWarning) as caught:
         restored = CheckpointManager(tmp_path).restore(fresh)
     messages = [str(w.message) for w in caught]
@@ -111,7 +105,7 @@ def test_restore_takes_the_latest_complete_checkpoint_skipping_damaged_and_unfin
     assert any("ckpt-000000003.ortcp (step 3): CheckpointCorruptError" in m for m in messages), messages
     assert restored.step == 2 and restored.user_dict == {"step": 2}
     fresh.train_step(*BATCHES[2])  # the loaded state is applied with the first step
-    trainer_from_2 = _trainer()
+    trainer_from_2 = mlp_trainer()
     trainer_from_2.load_checkpoint(tmp_path / "ckpt-000000002.ortcp")
     trainer_from_2.train_step(*BATCHES[2])
     for name, value in trainer_from_2.state_dict(pytorch_format=True).items():
@@ -119,10 +113,10 @@ def test_restore_takes_the_latest_complete_checkpoint_skipping_damaged_and_unfin
 
 
 def test_restore_of_an_empty_or_hopeless_directory(tmp_path):
-    assert CheckpointManager(tmp_path / "new").restore(_trainer()) is None  # fresh start; nothing created
+    assert CheckpointManager(tmp_path / "new").restore(mlp_trainer()) is None  # fresh start; nothing created
     assert not (tmp_path / "new").exists()
     manager = CheckpointManager(tmp_path / "run")
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*BATCHES[0])
     manager.save(trainer)
     _flip_a_data_byte(tmp_path / "run" / "ckpt-000000001.ortcp")
@@ -130,15 +124,15 @@ def test_restore_of_an_empty_or_hopeless_directory(tmp_path):
         pytest.warns(UserWarning, match="skipping checkpoint"),
         pytest.raises(checkpoint.CheckpointCorruptError, match="no checkpoint in .* could be restored"),
     ):
-        manager.restore(_trainer())
+        manager.restore(mlp_trainer())
 
 
 def test_a_checkpoint_of_another_model_is_an_error_not_a_skip(tmp_path):
     manager = CheckpointManager(tmp_path)
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*BATCHES[0])
     manager.save(trainer)
-    other = _trainer(hidden=8)
+    other = mlp_trainer(hidden=8)
     with pytest.raises(ValueError, match="shape"):
         manager.restore(other)
 
@@ -148,7 +142,7 @@ def test_bad_directories_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="file exists and is not a directory"):
         CheckpointManager(tmp_path / "file")
     (tmp_path / "ort_trainer_checkpoints.json").write_text('{"someone": "else"}')
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*BATCHES[0])
     with pytest.raises(checkpoint.CheckpointFormatError, match="ort_trainer_checkpoints.json is not an ort_trainer"):
         CheckpointManager(tmp_path).save(trainer)
@@ -160,9 +154,10 @@ def test_bad_directories_are_clear_errors(tmp_path):
         CheckpointManager(tmp_path / "ok").save(trainer, 1, metrics={"loss": "low"})
 
 
+@pytest.mark.processes
 def test_another_process_reads_the_run_directory_while_training_goes_on(tmp_path):
     manager = CheckpointManager(tmp_path, keep_best=("loss", "min", 1), async_save=True)
-    trainer = _trainer()
+    trainer = mlp_trainer()
     for batch in BATCHES[:3]:
         loss = trainer.train_step(*batch)
         manager.save(trainer, metrics={"loss": loss})

@@ -16,9 +16,10 @@ import uuid
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, checkpoint, optim
+from ort_trainer import ORTTrainer, checkpoint
 from ort_trainer.checkpoint.cli._main import main as cli
-from tests.models import MLP, MLP_DESC, mlp_batches
+from tests.builders import mlp_trainer
+from tests.models import mlp_batches
 from tests.paths import REPO
 from tests.ranks import free_port
 
@@ -59,13 +60,6 @@ def s3():
         server.stop()
 
 
-def _trainer(hidden: int = 16) -> ORTTrainer:
-    torch.manual_seed(0)
-    return ORTTrainer(
-        MLP(hidden=hidden), MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=torch.nn.functional.cross_entropy
-    )
-
-
 def _same_state(a: ORTTrainer, b: ORTTrainer) -> bool:
     sa, sb = a.state_dict(pytorch_format=True), b.state_dict(pytorch_format=True)
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -74,7 +68,7 @@ def _same_state(a: ORTTrainer, b: ORTTrainer) -> bool:
 def test_trainer_saves_and_loads_through_s3_sync_and_async(s3):
     fs, bucket = s3
     prefix = f"{bucket}/{uuid.uuid4().hex}"
-    trainer = _trainer(hidden=1024)
+    trainer = mlp_trainer(hidden=1024)
     trainer.train_step(*BATCHES[0])
     trainer.save_checkpoint(f"{prefix}/sync.ortcp", user_dict={"where": "s3"})
     handle = trainer.save_checkpoint(f"{prefix}/async.ortcp", async_save=True)
@@ -85,10 +79,10 @@ def test_trainer_saves_and_loads_through_s3_sync_and_async(s3):
     with pytest.raises(checkpoint.CheckpointExistsError, match=r"s3://bucket/.*/sync\.ortcp already exists"):
         trainer.save_checkpoint(f"{prefix}/sync.ortcp")
     for name in ("sync", "async"):
-        fresh = _trainer(hidden=1024)
+        fresh = mlp_trainer(hidden=1024)
         user_dict = fresh.load_checkpoint(f"{prefix}/{name}.ortcp")
         assert user_dict == ({"where": "s3"} if name == "sync" else {})
-        reference = _trainer(hidden=1024)
+        reference = mlp_trainer(hidden=1024)
         reference.train_step(*BATCHES[0])
         fresh.train_step(*BATCHES[1])
         reference.train_step(*BATCHES[1])
@@ -99,7 +93,7 @@ def test_manager_keeps_and_restores_on_s3(s3):
     fs, bucket = s3
     run = f"{bucket}/{uuid.uuid4().hex}/run"
     manager = checkpoint.CheckpointManager(run, keep_last=1, async_save=True)
-    trainer = _trainer()
+    trainer = mlp_trainer()
     for batch in BATCHES[:3]:
         trainer.train_step(*batch)
         manager.save(trainer, metrics={"loss": 1.0})
@@ -107,7 +101,7 @@ def test_manager_keeps_and_restores_on_s3(s3):
     names = sorted(k.rsplit("/", 1)[-1] for k in fs.ls(run.removeprefix("s3://"), refresh=True))
     assert names == ["ckpt-000000003.ortcp", "ort_trainer_checkpoints.json"]
     assert checkpoint.CheckpointManager(run).latest().step == 3
-    fresh = _trainer()
+    fresh = mlp_trainer()
     assert checkpoint.CheckpointManager(run).restore(fresh).step == 3
     fresh.train_step(*BATCHES[3])
     trainer.train_step(*BATCHES[3])
@@ -117,7 +111,7 @@ def test_manager_keeps_and_restores_on_s3(s3):
 def test_cli_reads_and_writes_urls(s3, tmp_path, capsys):
     fs, bucket = s3
     prefix = f"{bucket}/{uuid.uuid4().hex}"
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*BATCHES[0])
     trainer.save_checkpoint(f"{prefix}/ckpt.ortcp")
     assert cli(["verify", f"{prefix}/ckpt.ortcp"]) == 0
@@ -140,7 +134,7 @@ def test_missing_credentials_are_a_clear_error_naming_the_url(s3, monkeypatch):
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     s3fs.S3FileSystem.clear_instance_cache()
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*BATCHES[0])
     url = f"{bucket}/nocreds/ckpt.ortcp"
     try:
@@ -153,11 +147,11 @@ def test_missing_credentials_are_a_clear_error_naming_the_url(s3, monkeypatch):
 
 
 def test_memory_urls_and_unknown_schemes():
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*BATCHES[0])
     url = f"memory://ckpts/{uuid.uuid4().hex}/ckpt.ortcp"
     trainer.save_checkpoint(url)
-    fresh = _trainer()
+    fresh = mlp_trainer()
     fresh.load_checkpoint(url)
     fresh.train_step(*BATCHES[1])
     trainer.train_step(*BATCHES[1])
@@ -190,6 +184,7 @@ except checkpoint.CheckpointStorageError as error:
 """
 
 
+@pytest.mark.processes
 def test_local_paths_need_no_fsspec(tmp_path):
     path = tmp_path / "local.ortcp"
     result = subprocess.run(
@@ -201,6 +196,7 @@ def test_local_paths_need_no_fsspec(tmp_path):
     assert "s3://bucket/ckpt.ortcp: URLs need the 'fsspec' package (pip install fsspec" in result.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.faults  # two processes and ~20 S3 round trips: part of `make test-faults`
 def test_distributed_async_set_on_s3_replaces_the_old_set_and_aggregates(s3, tmp_path):
     from tests.dist_runs import assert_full_state_equal, launch, single_process
@@ -216,7 +212,7 @@ def test_distributed_async_set_on_s3_replaces_the_old_set_and_aggregates(s3, tmp
     reference, _ = single_process()
     with checkpoint.io.local_inputs(f"{url}.manifest.json") as local:  # the manifest and its files, downloaded
         assert_full_state_equal(checkpoint.aggregate_checkpoints(local), reference.state_dict())
-    fresh = _trainer()
+    fresh = mlp_trainer()
     fresh.load_checkpoint(f"{url}.manifest.json")  # a single process loads the set straight from S3
     fresh.train_step(*mlp_batches(1, batch=12)[0])
     assert fresh.train_step_info.step == 9

@@ -22,7 +22,7 @@ import pytest
 from ort_trainer import checkpoint
 from tests.ranks import free_port
 
-pytestmark = pytest.mark.faults  # SIGKILL loops: part of `make test-faults`
+pytestmark = [pytest.mark.faults, pytest.mark.processes]  # SIGKILL loops: part of `make test-faults`
 
 REPO = Path(__file__).resolve().parents[2]
 KILLS = 20

@@ -11,10 +11,14 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ort_trainer import checkpoint
 from ort_trainer.checkpoint.io import _set_writer as _writer
 from ort_trainer.checkpoint.io import resolve
+from tests.builders import legacy_trainer_options
+
+pytestmark = pytest.mark.processes  # every test here starts other processes
 
 
 class ThreadGroup:
@@ -63,15 +67,9 @@ def run_ranks(world: int, fn) -> list:
 def tree(rank: int, world: int, value: float) -> dict:
     return {
         "model": {"full_precision": {"w": np.full(8, value, dtype=np.float32)}},
-        "trainer_options": {
-            "mixed_precision": False,
-            "zero_stage": 0,
-            "world_rank": rank,
-            "world_size": world,
-            "optimizer_name": "SGDOptimizer",
-            "data_parallel_size": world,
-            "horizontal_parallel_size": 1,
-        },
+        "trainer_options": legacy_trainer_options(
+            world_rank=rank, world_size=world, optimizer_name="SGDOptimizer", data_parallel_size=world
+        ),
         "train_step_info": {"optimization_step": int(value), "step": int(value)},
     }
 

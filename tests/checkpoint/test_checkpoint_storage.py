@@ -14,6 +14,7 @@ import torch
 
 from ort_trainer import checkpoint as C
 from ort_trainer.checkpoint.format import _atomic
+from tests.builders import legacy_trainer_options
 
 
 def assert_same(expected, got, where="root"):
@@ -150,15 +151,7 @@ LEGACY_SHAPED = {
         "fc1.weight": {"Moment_1": torch.zeros(4, 3), "Moment_2": torch.ones(4, 3), "Update_Count": torch.tensor([9])},
         "fc1.bias": {"Moment_1": torch.zeros(4), "Moment_2": torch.ones(4), "Update_Count": torch.tensor([9])},
     },
-    "trainer_options": {
-        "mixed_precision": False,
-        "zero_stage": 0,
-        "world_rank": 0,
-        "world_size": 1,
-        "optimizer_name": "AdamOptimizer",
-        "data_parallel_size": 1,
-        "horizontal_parallel_size": 1,
-    },
+    "trainer_options": legacy_trainer_options(),
     "train_step_info": {"optimization_step": 8, "step": 8},
 }
 
@@ -240,6 +233,7 @@ def test_bad_targets(tmp_path):
         C.save({}, tmp_path, overwrite=True)
 
 
+@pytest.mark.processes
 def test_cleanup_temp_files(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -483,6 +477,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
+@pytest.mark.processes
 def test_save_peak_extra_memory_is_small(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", MEMORY_PROBE, str(tmp_path / "m.ortcp")], capture_output=True, text=True

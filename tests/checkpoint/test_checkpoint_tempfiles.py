@@ -46,6 +46,7 @@ def _temps(folder):
     return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
 
 
+@pytest.mark.processes
 def test_next_save_removes_temp_files_of_dead_writers(tmp_path):
     host = T.host_tag()
     dead = _dead_pid()
@@ -62,6 +63,7 @@ def test_next_save_removes_temp_files_of_dead_writers(tmp_path):
     assert C.load(tmp_path / "c.ortcp")["w"].tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.processes
 def test_temp_files_of_live_or_remote_writers_are_kept(tmp_path):
     host = T.host_tag()
     mine = tmp_path / f".a.ortcp.tmp-{host}.{os.getpid()}-0123abcd"  # pid alive: maybe a save in progress
@@ -75,6 +77,7 @@ def test_temp_files_of_live_or_remote_writers_are_kept(tmp_path):
     assert _temps(tmp_path) == sorted([mine.name, remote.name])
 
 
+@pytest.mark.processes
 def test_locked_temp_file_is_never_removed(tmp_path):
     """A lock held by any process protects the file, whatever its name says about the writer."""
     import fcntl
@@ -89,6 +92,7 @@ def test_locked_temp_file_is_never_removed(tmp_path):
     assert C.cleanup_temp_files(tmp_path) == [victim]
 
 
+@pytest.mark.processes
 def test_live_concurrent_writer_keeps_its_temp_file(tmp_path):
     """A real save in another process, held open mid-write: saves beside it and cleanups leave it alone."""
     target, gate = tmp_path / "slow.ortcp", tmp_path / "gate"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ort_trainer import checkpoint as C
+from tests.builders import legacy_trainer_options
 
 
 class Custom:
@@ -102,15 +103,9 @@ def test_legacy_hex_user_dict():
 
 
 # ---- schema records -----------------------------------------------------------------------------
-OPTIONS = {
-    "mixed_precision": False,
-    "zero_stage": 1,
-    "world_rank": 1,
-    "world_size": 4,
-    "optimizer_name": "LambOptimizer",
-    "data_parallel_size": 4,
-    "horizontal_parallel_size": 1,
-}
+OPTIONS = legacy_trainer_options(
+    zero_stage=1, world_rank=1, world_size=4, optimizer_name="LambOptimizer", data_parallel_size=4
+)
 
 
 def test_trainer_options_record_accepts_legacy_value_types():

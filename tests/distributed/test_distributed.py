@@ -21,6 +21,7 @@ def reference():
     return single_process()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("world", "zero"), [(2, 0), (2, 1), (3, 2)])
 def test_data_parallel_and_zero_match_one_process_on_the_whole_batch(tmp_path, reference, world, zero):
     trainer, losses = reference
@@ -41,6 +42,7 @@ def test_data_parallel_and_zero_match_one_process_on_the_whole_batch(tmp_path, r
         assert numel == [total] * world
 
 
+@pytest.mark.processes
 def test_zero_checkpoint_set_aggregates_to_the_single_process_state(tmp_path, reference):
     trainer, _ = reference
     path = tmp_path / "ckpt.ortcp"
@@ -62,6 +64,7 @@ def test_zero_checkpoint_set_aggregates_to_the_single_process_state(tmp_path, re
     assert checkpoint.aggregate_checkpoints([manifest])["train_step_info"] == full["train_step_info"]  # list of one
 
 
+@pytest.mark.processes
 @pytest.mark.faults  # 2 processes, 4 background saves: `make test-faults` (the manager test below runs async sets)
 def test_async_saves_during_training_publish_complete_sets_and_replace_the_old_ones(tmp_path, reference):
     trainer, losses = reference
@@ -79,6 +82,7 @@ def test_async_saves_during_training_publish_complete_sets_and_replace_the_old_o
     assert_full_state_equal(checkpoint.aggregate_checkpoints(manifest.path), trainer.state_dict())
 
 
+@pytest.mark.processes
 def test_checkpoint_manager_on_two_ranks_resumes_the_latest_set(tmp_path, reference):
     trainer, losses = reference
     run = tmp_path / "ckpts"
@@ -98,6 +102,7 @@ def test_checkpoint_manager_on_two_ranks_resumes_the_latest_set(tmp_path, refere
     assert len(list(run.glob("*.ortcp"))) == 2  # the two rank files of step 8
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("before", "after"), [((2, 1), (3, 2)), ((3, 2), (2, 1))])
 def test_reshard_and_continue_matches_uninterrupted_training(tmp_path, reference, before, after):
     trainer, _ = reference
@@ -112,6 +117,7 @@ def test_reshard_and_continue_matches_uninterrupted_training(tmp_path, reference
             torch.testing.assert_close(state["weights"][name], value, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.processes
 def test_reshard_two_ranks_to_one_process(tmp_path, reference):
     trainer, _ = reference
     path = tmp_path / "half.ortcp"
@@ -161,6 +167,7 @@ def test_missing_rendezvous_environment_is_a_clear_error(monkeypatch):
         )
 
 
+@pytest.mark.processes
 def test_legacy_per_rank_paths_each_rank_writes_exactly_its_file(tmp_path, reference):
     """issue 10.3: `save_checkpoint(f"ckpt_rank{rank}.ortcp")` on every rank, then aggregate / load all the files."""
     trainer, _ = reference
@@ -186,6 +193,7 @@ def test_legacy_per_rank_paths_each_rank_writes_exactly_its_file(tmp_path, refer
     assert single.train_step_info.step == 9
 
 
+@pytest.mark.processes
 def test_bad_distributed_saves_fail_on_every_rank_without_hanging(tmp_path):
     path = tmp_path / "ck.ortcp"
     launch(2, tmp_path / "b", "--stop", 2, "--save", path)

@@ -17,6 +17,7 @@ from tests.models import MLP, MLP_DESC, mlp_batches
 from tests.ranks import free_port
 
 
+@pytest.mark.processes
 def test_two_rank_zero_run_exits_with_the_group_destroyed_by_the_exit_hook(tmp_path):
     """Like a legacy script, the worker never tears down: ort_trainer's exit hook does (trainer.close(): faults)."""
     report = tmp_path / "exit"

@@ -11,7 +11,7 @@ import pytest
 
 from tests.dist_runs import launch
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.processes]
 
 RUNS = 20
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, checkpoint, optim
-from tests.models import MLP, MLP_DESC, mlp_batches
+from ort_trainer import checkpoint
+from tests.builders import mlp_trainer
+from tests.models import MLP, mlp_batches
 from tests.rank_states import full_state, save_ranks
 from tests.trees import assert_trees_equal
 
@@ -110,13 +111,8 @@ class Metrics:
         self.history = dict(state["history"])
 
 
-def _trainer(seed=0):
-    torch.manual_seed(seed)
-    return ORTTrainer(MLP(), MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=ce)
-
-
 def test_stateful_objects_are_saved_and_loaded_without_pickle(tmp_path):
-    trainer = _trainer()
+    trainer = mlp_trainer()
     sampler, ema, metrics = Sampler(offset=128), EMA(MLP()), Metrics()
     for step, batch in enumerate(mlp_batches(3)):
         metrics.history[step] = trainer.train_step(*batch).item()
@@ -124,7 +120,7 @@ def test_stateful_objects_are_saved_and_loaded_without_pickle(tmp_path):
     path = tmp_path / "s.ortcp"
     trainer.save_checkpoint(path, stateful={"sampler": sampler, "ema": ema, "metrics": metrics})
     assert "stateful" in checkpoint.load(path)  # stored as plain groups (no pickle needed to read it back)
-    fresh, fresh_sampler, fresh_ema, fresh_metrics = _trainer(1), Sampler(), EMA(MLP()), Metrics()
+    fresh, fresh_sampler, fresh_ema, fresh_metrics = mlp_trainer(1), Sampler(), EMA(MLP()), Metrics()
     fresh.load_checkpoint(path, stateful={"sampler": fresh_sampler, "ema": fresh_ema, "metrics": fresh_metrics})
     assert (fresh_sampler.offset, fresh_sampler.epoch) == (128, 2)
     assert_trees_equal(fresh_ema.shadow, ema.shadow)
@@ -133,11 +129,11 @@ def test_stateful_objects_are_saved_and_loaded_without_pickle(tmp_path):
 
 
 def test_a_failing_component_leaves_everything_unchanged(tmp_path):
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*mlp_batches(1)[0])
     path = tmp_path / "s.ortcp"
     trainer.save_checkpoint(path, stateful={"sampler": Sampler(offset=7), "ema": EMA(MLP())})
-    fresh = _trainer(1)
+    fresh = mlp_trainer(1)
     fresh.train_step(*mlp_batches(1)[0])
     before = fresh.state_dict()
     sampler = Sampler(offset=3)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ort_trainer import checkpoint
 from tests.paths import REPO
 from tests.trees import assert_trees_equal
+
+pytestmark = pytest.mark.processes  # every test here starts other processes
 
 
 def test_dcp_resume_in_a_fresh_process_is_bit_identical(tmp_path):

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from ort_trainer import checkpoint
 from tests.ranks import run_ranks
 from tests.trees import assert_trees_equal
+
+pytestmark = pytest.mark.processes  # every test here starts other processes
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240

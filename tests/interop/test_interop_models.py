@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
@@ -59,6 +60,7 @@ SLICED_POSITIONS = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_position_ids_sliced_from_a_buffer_train_like_torch():
     """In a subprocess: before the fix ORT aborted it (std::vector assertion in GatherNDGrad)."""
     done = subprocess.run(

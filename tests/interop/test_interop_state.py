@@ -15,8 +15,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions as TorchStateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ort_trainer import ORTTrainer, StateDictOptions, optim
-from tests.models import MLP, MLP_DESC, mlp_batches
+from ort_trainer import StateDictOptions, optim
+from tests.builders import mlp_trainer
+from tests.models import MLP, mlp_batches
 from tests.trees import assert_trees_equal, tree_structure
 
 ce = torch.nn.functional.cross_entropy
@@ -27,9 +28,7 @@ def _trainer(model=None, config=None, seed=0, **options):
     torch.manual_seed(seed)
     scheduler = optim.lr_scheduler.LinearWarmupLRScheduler(total_steps=20, warmup=0.2)
     options = {"lr_scheduler": scheduler, **options}
-    return ORTTrainer(
-        model or MLP(), MLP_DESC, config or optim.AdamConfig(lr=0.02, lambda_coef=0.01), loss_fn=ce, options=options
-    )
+    return mlp_trainer(model, config=config or optim.AdamConfig(lr=0.02, lambda_coef=0.01), seed=None, **options)
 
 
 # ---------------------------------------------------------------------------- complete from construction (point 2)

@@ -77,6 +77,7 @@ def _flip_byte_inside(path: Path, tensor: torch.Tensor) -> None:
 
 
 # ---- inspect ------------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_inspect_text_lists_tree_options_step_info_and_user_dict(full):
     result = run("inspect", full[0])
     assert result.returncode == 0 and result.stderr == ""
@@ -90,6 +91,7 @@ def test_inspect_text_lists_tree_options_step_info_and_user_dict(full):
     assert "user_dict: keys ['epoch', 'note']" in out and "partitions: none" in out
 
 
+@pytest.mark.processes
 def test_inspect_json_of_a_rank_file_and_its_manifest(zero_set):
     paths, manifest = zero_set
     result = run("inspect", "--json", paths[1], manifest)
@@ -117,6 +119,7 @@ def test_inspect_json_of_a_rank_file_and_its_manifest(zero_set):
     assert all(a["range"][1] == b["range"][0] for a, b in zip(pieces, pieces[1:], strict=False))
 
 
+@pytest.mark.processes
 def test_inspect_legacy_file_reports_the_pickled_user_dict_without_unpickling(evil_legacy):
     path, marker = evil_legacy
     text = run("inspect", path)
@@ -133,6 +136,7 @@ def test_inspect_legacy_file_reports_the_pickled_user_dict_without_unpickling(ev
 
 
 # ---- verify -------------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_verify_intact_files_manifest_and_legacy_exit_0(full, zero_set):
     result = run("verify", full[0], zero_set[1], LEGACY)
     assert result.returncode == 0, result.stdout
@@ -140,6 +144,7 @@ def test_verify_intact_files_manifest_and_legacy_exit_0(full, zero_set):
     assert "ranks 0..2 present once each" in result.stdout and "no checksums to verify" in result.stdout
 
 
+@pytest.mark.processes
 def test_verify_names_the_damaged_dataset_and_the_missing_rank(full, zero_set):
     path, state = full
     _flip_byte_inside(path, state["optimizer"]["w2"]["Moment_2"])
@@ -154,6 +159,7 @@ def test_verify_names_the_damaged_dataset_and_the_missing_rank(full, zero_set):
 
 
 # ---- aggregate ----------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_aggregate_equals_aggregate_checkpoints_and_is_quiet_without_a_tty(zero_set, tmp_path):
     _, manifest = zero_set
     out = tmp_path / "agg.ortcp"
@@ -163,6 +169,7 @@ def test_aggregate_equals_aggregate_checkpoints_and_is_quiet_without_a_tty(zero_
     assert_same(C.aggregate_checkpoints(manifest), C.load(out))
 
 
+@pytest.mark.processes
 def test_aggregate_to_file_reports_progress(zero_set, tmp_path):
     calls = []
     C.aggregate_to_file(zero_set[1], tmp_path / "agg.ortcp", progress=lambda done, total: calls.append((done, total)))
@@ -172,6 +179,7 @@ def test_aggregate_to_file_reports_progress(zero_set, tmp_path):
 
 
 # ---- convert ------------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_convert_to_pt_loads_with_weights_only(full, tmp_path):
     path, state = full
     result = run("convert", path, "-o", tmp_path / "model.pt")
@@ -180,6 +188,7 @@ def test_convert_to_pt_loads_with_weights_only(full, tmp_path):
     assert_same(state["model"]["full_precision"], loaded)
 
 
+@pytest.mark.processes
 def test_convert_manifest_to_safetensors_with_optimizer(zero_set, full, tmp_path):
     from safetensors.torch import load_file
 
@@ -193,6 +202,7 @@ def test_convert_manifest_to_safetensors_with_optimizer(zero_set, full, tmp_path
     assert_same(expected, loaded)
 
 
+@pytest.mark.processes
 def test_reverse_convert_of_a_ddp_state_dict_loads_into_the_trainer(tmp_path):
     from ort_trainer import ORTTrainer, optim
     from tests.models import MLP, MLP_DESC
@@ -230,6 +240,7 @@ def test_reverse_convert_refuses_non_tensors_and_never_unpickles(tmp_path, capsy
 
 
 # ---- diff ---------------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_diff_of_equal_checkpoints_exits_0(full, zero_set, tmp_path):
     C.aggregate_to_file(zero_set[1], tmp_path / "agg.ortcp")
     result = run("diff", full[0], tmp_path / "agg.ortcp")
@@ -237,6 +248,7 @@ def test_diff_of_equal_checkpoints_exits_0(full, zero_set, tmp_path):
     assert result.stdout.strip().endswith("are equal (36 keys, exactly)")
 
 
+@pytest.mark.processes
 def test_diff_reports_keys_layouts_tensors_and_values(full, tmp_path):
     path, state = full
     state["model"]["full_precision"]["w1"][0, 0] += 1e-3
@@ -268,6 +280,7 @@ def test_compare_tensors_tolerance_nan_and_sorting():
 
 
 # ---- errors -------------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_errors_print_one_line_without_traceback_and_exit_2(tmp_path, zero_set):
     result = run("diff", tmp_path / "missing.ortcp", zero_set[0][0], module=True)
     assert result.returncode == 2 and result.stdout == ""
@@ -275,6 +288,7 @@ def test_errors_print_one_line_without_traceback_and_exit_2(tmp_path, zero_set):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.processes
 def test_multi_line_errors_become_one_line(zero_set, tmp_path, capsys):
     paths, _ = zero_set
     assert cli.main(["aggregate", str(paths[0]), str(paths[2]), "-o", str(tmp_path / "out.ortcp")]) == 2

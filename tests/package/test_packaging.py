@@ -21,6 +21,8 @@ import pytest
 
 from tests.paths import REPO
 
+pytestmark = pytest.mark.processes  # every test here starts other processes
+
 USER_SCRIPT = """
 import optim as user_optim          # the user's own modules, next to the script
 import checkpoint as user_checkpoint

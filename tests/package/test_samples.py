@@ -29,6 +29,7 @@ def _number(pattern: str, text: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.processes
 def test_train_lm_sample_learns_and_writes_the_loss_curve(tmp_path):
     out = tmp_path / "out"
     command = [
@@ -166,6 +167,7 @@ def _run_sample(command: list[str], tmp_path: Path, timeout: float, env: dict | 
     return stdout, stderr
 
 
+@pytest.mark.processes
 def test_resume_sample_continues_bit_for_bit_after_sigkill(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, str(ROOT / "samples" / "resume_lm.py"), "--demo", "--steps", "20", "--save-every", "5"]
@@ -189,6 +191,7 @@ def test_resume_sample_continues_bit_for_bit_after_sigkill(tmp_path):
     assert kept[-2:] == [15, 20] and len(kept) <= 3, kept
 
 
+@pytest.mark.processes
 def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
     out = tmp_path / "out"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, optim
+from tests.builders import sgd_trainer
 
 ce = torch.nn.functional.cross_entropy
 
@@ -48,52 +48,48 @@ def _desc(*names):
     return {"inputs": [(n, shapes[n]) for n in names], "outputs": [("loss", [], True)]}
 
 
-def _trainer(model, desc, loss_fn=ce, **options):
-    return ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=loss_fn, options=options or None)
-
-
 def test_inputs_bind_to_forward_by_name_with_loss_fn():
     a, b, label = _batch()
     model = AB()
     expected = ce(model(a, b), label)
-    trainer = _trainer(AB(), _desc("b", "a", "label"), debug={"check_model_export": True})
+    trainer = sgd_trainer(AB(), _desc("b", "a", "label"), debug={"check_model_export": True})
     got = trainer.train_step(b, a, label)  # model_desc order: b first
     torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
     # keyword call and eval_step bind the same way
-    trainer2 = _trainer(AB(), _desc("b", "a", "label"))
+    trainer2 = sgd_trainer(AB(), _desc("b", "a", "label"))
     torch.testing.assert_close(trainer2.eval_step(label=label, a=a, b=b), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_inputs_bind_by_name_when_the_model_returns_the_loss():
     a, b, label = _batch()
     expected = ABLoss()(a, b, label)
-    trainer = _trainer(ABLoss(), _desc("label", "b", "a"), loss_fn=None)
+    trainer = sgd_trainer(ABLoss(), _desc("label", "b", "a"), loss_fn=None)
     torch.testing.assert_close(trainer.train_step(label, b, a), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_name_that_matches_no_parameter_of_forward_is_an_error():
     desc = {"inputs": [("x", ["n", 2]), ("b", ["n", 3]), ("label", ["n"])], "outputs": [("loss", [], True)]}
     with pytest.raises(ValueError, match=r"model_desc input 'x' matches no parameter of AB.forward\(a, b\)"):
-        _trainer(AB(), desc)
+        sgd_trainer(AB(), desc)
 
 
 def test_a_required_parameter_without_an_input_is_an_error():
     desc = {"inputs": [("a", ["n", 2]), ("label", ["n"])], "outputs": [("loss", [], True)]}
     with pytest.raises(ValueError, match=r"AB.forward\(\) parameter 'b' has no default and no model_desc input"):
-        _trainer(AB(), desc)
+        sgd_trainer(AB(), desc)
 
 
 def test_var_positional_forward_keeps_model_desc_order():
     a, b, label = _batch()
     expected = ce(AB()(a, b), label)
-    trainer = _trainer(Star(), _desc("a", "b", "label"))  # forward(*inputs): positions are all there is
+    trainer = sgd_trainer(Star(), _desc("a", "b", "label"))  # forward(*inputs): positions are all there is
     torch.testing.assert_close(trainer.train_step(a, b, label), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_var_keyword_forward_receives_extra_names_as_keywords():
     a, b, label = _batch()
     expected = ce(AB()(a, b), label)
-    trainer = _trainer(Keywords(), _desc("b", "a", "label"))
+    trainer = sgd_trainer(Keywords(), _desc("b", "a", "label"))
     torch.testing.assert_close(trainer.train_step(b, a, label), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -104,4 +100,4 @@ def test_a_single_input_reaches_forward_whatever_its_name():
     a, _, label = _batch()
     expected = ce(model(a), label)
     desc = {"inputs": [("x", ["n", 2]), ("label", ["n"])], "outputs": [("loss", [], True)]}
-    torch.testing.assert_close(_trainer(model, desc).train_step(a, label), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sgd_trainer(model, desc).train_step(a, label), expected.detach(), rtol=1e-5, atol=1e-6)

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
+from tests.builders import mlp_trainer
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
 
 ce = torch.nn.functional.cross_entropy
 
 
 def _trainer(model=None, desc=MLP_DESC, loss_fn=ce):
-    torch.manual_seed(0)
-    return ORTTrainer(model or MLP(), desc, optim.SGDConfig(lr=0.1), loss_fn=loss_fn)
+    return mlp_trainer(model, config=optim.SGDConfig(lr=0.1), desc=desc, loss_fn=loss_fn)
 
 
 def _built(model=None, desc=MLP_DESC, loss_fn=ce):

@@ -9,16 +9,12 @@ import onnx
 import pytest
 import torch
 
-from ort_trainer import ORTTrainer, optim
 from ort_trainer.config.model_desc import InputDescription, InputDescriptionTyped, OutputDescriptionTyped
-from tests.models import CNN, CNN_DESC, MLP, MLP_DESC, cnn_batches, mlp_batches
+from tests.builders import sgd_trainer
+from tests.models import CNN, CNN_DESC, MLP, cnn_batches, mlp_batches
 
 ce = torch.nn.functional.cross_entropy
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-
-
-def _trainer(model, desc=MLP_DESC, loss_fn=ce, **options):
-    return ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=loss_fn, options=options or None)
 
 
 class LockedCNN(CNN):
@@ -37,7 +33,7 @@ def test_a_module_that_cannot_be_deep_copied_trains_and_is_left_as_it_was():
     reference.load_state_dict(model.state_dict())
     modes = [m.training for m in model.modules()]
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = _trainer(model, CNN_DESC)
+    trainer = sgd_trainer(model, CNN_DESC)
     x, label = cnn_batches(1)[0]
     with pytest.warns(UserWarning, match=r"LockedCNN cannot be deep-copied \(TypeError: cannot pickle"):
         loss = trainer.train_step(x, label)
@@ -64,7 +60,7 @@ def test_a_model_desc_input_that_forward_ignores_is_accepted_with_a_warning():
     torch.manual_seed(0)
     model = IgnoresY()
     reference = ce(model(*mlp_batches(1)[0][:1], None), mlp_batches(1)[0][1])
-    trainer = _trainer(model, desc)
+    trainer = sgd_trainer(model, desc)
     (x, label), y = mlp_batches(1)[0], torch.zeros(8, 3)
     with pytest.warns(UserWarning, match=r"model_desc inputs \['y'\] are not used by the model"):
         loss = trainer.train_step(x, y, label)
@@ -88,13 +84,13 @@ class OnlyFrozen(MLP):
 def test_nothing_to_train_says_why():
     x, label = mlp_batches(1)[0]
     with pytest.raises(ValueError, match="the model has no parameters: there is nothing to train") as info:
-        _trainer(NoParameters()).train_step(x, label)
+        sgd_trainer(NoParameters()).train_step(x, label)
     assert "frozen_weights" not in str(info.value)
     with pytest.raises(ValueError, match=r"none of the model's parameters requires a gradient: .*requires_grad=False"):
-        _trainer(OnlyFrozen()).train_step(x, label)
+        sgd_trainer(OnlyFrozen()).train_step(x, label)
     with pytest.raises(ValueError, match=r"no trainable parameters left after applying options.utils.frozen_weights"):
         names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-        _trainer(MLP(), utils={"frozen_weights": names}).train_step(x, label)
+        sgd_trainer(MLP(), utils={"frozen_weights": names}).train_step(x, label)
 
 
 @pytest.mark.parametrize(
@@ -102,13 +98,13 @@ def test_nothing_to_train_says_why():
 )
 def test_graph_save_paths_are_checked_when_the_trainer_is_built(tmp_path, option):
     with pytest.raises(ValueError, match=rf"debug.graph_save_paths.{option}=.* is a directory"):
-        _trainer(MLP(), debug={"graph_save_paths": {option: str(tmp_path)}})
+        sgd_trainer(MLP(), debug={"graph_save_paths": {option: str(tmp_path)}})
     with pytest.raises(ValueError, match=rf"debug.graph_save_paths.{option}=.*: folder .*missing.* does not exist"):
-        _trainer(MLP(), debug={"graph_save_paths": {option: str(tmp_path / "missing" / "g.onnx")}})
+        sgd_trainer(MLP(), debug={"graph_save_paths": {option: str(tmp_path / "missing" / "g.onnx")}})
 
 
 def test_model_desc_entries_are_the_legacy_namedtuples():
-    trainer = _trainer(MLP())
+    trainer = sgd_trainer(MLP())
     name, shape = trainer.model_desc.inputs[0]  # before the first step: (name, shape)
     assert (name, shape) == ("x", ["batch", 20]) and isinstance(trainer.model_desc.inputs[0], InputDescription)
     trainer.train_step(*mlp_batches(1)[0])
@@ -124,7 +120,7 @@ def test_training_graph_dump_is_the_gradient_graph_and_the_docs_say_so(tmp_path)
     paths = {"model_with_gradient_graph_path": str(tmp_path / "grad.onnx")}
     paths["model_with_training_graph_path"] = str(tmp_path / "train.onnx")
     paths["model_with_training_graph_after_optimization_path"] = str(tmp_path / "optimized.onnx")
-    trainer = _trainer(MLP(), debug={"graph_save_paths": paths})
+    trainer = sgd_trainer(MLP(), debug={"graph_save_paths": paths})
     trainer.train_step(*mlp_batches(1)[0])
     gradient, training = (
         onnx.load(paths["model_with_gradient_graph_path"]),
@@ -145,7 +141,7 @@ def test_a_single_list_of_inputs_is_unpacked_like_legacy():
     model = MLP()
     x, label = mlp_batches(1)[0]
     expected = ce(model(x), label)
-    trainer = _trainer(model)
+    trainer = sgd_trainer(model)
     torch.testing.assert_close(trainer.train_step([x, label]), expected.detach(), rtol=1e-5, atol=1e-6)
     trainer.eval_step([x, label])
 
@@ -160,9 +156,9 @@ def test_extra_postprocess_gets_the_forward_graph_and_its_result_is_used(tmp_pat
 
     path = str(tmp_path / "forward.onnx")
     options = {"_internal_use": {"extra_postprocess": postprocess}}
-    trainer = _trainer(MLP(), debug={"graph_save_paths": {"model_after_graph_transforms_path": path}}, **options)
+    trainer = sgd_trainer(MLP(), debug={"graph_save_paths": {"model_after_graph_transforms_path": path}}, **options)
     trainer.train_step(*mlp_batches(1)[0])
     assert seen == [onnx.ModelProto] and onnx.load(path).graph.doc_string == "post-processed"
-    bad = _trainer(MLP(), _internal_use={"extra_postprocess": lambda model: None})
+    bad = sgd_trainer(MLP(), _internal_use={"extra_postprocess": lambda model: None})
     with pytest.raises(TypeError, match="extra_postprocess must return an onnx.ModelProto, got NoneType"):
         bad.train_step(*mlp_batches(1)[0])

@@ -12,14 +12,10 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
+from tests.builders import mlp_trainer
 from tests.models import CNN, CNN_DESC, MLP, MLP_DESC, cnn_batches, mlp_batches
 
 ce = torch.nn.functional.cross_entropy
-
-
-def _mlp_trainer(**options):
-    torch.manual_seed(0)
-    return ORTTrainer(MLP(), MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=ce, options=options or None)
 
 
 def test_constructor_rejects_wrong_types():
@@ -48,7 +44,7 @@ def test_cuda_device_without_cuda_provider_is_a_clear_error():
 
 
 def test_inputs_are_checked_against_model_desc():
-    trainer = _mlp_trainer()
+    trainer = mlp_trainer()
     x, label = mlp_batches(1)[0]
     with pytest.raises(ValueError, match="missing inputs \\['label'\\]"):
         trainer.train_step(x)
@@ -210,7 +206,7 @@ def test_check_model_export_and_graph_save_paths(tmp_path):
             "graph_save_paths": {"model_with_gradient_graph_path": str(tmp_path / "grad.onnx")},
         }
     }
-    trainer = _mlp_trainer(**options)
+    trainer = mlp_trainer(**options)
     trainer.train_step(*mlp_batches(1)[0])
     graph = onnx.load(str(tmp_path / "grad.onnx"))
     assert any(node.op_type == "InPlaceAccumulatorV2" for node in graph.graph.node)

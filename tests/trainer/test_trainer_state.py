@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, checkpoint, optim
+from tests.builders import legacy_trainer_options, mlp_trainer
 from tests.models import CNN, CNN_DESC, MLP, MLP_DESC, cnn_batches, mlp_batches
 from tests.paths import LEGACY_FIXTURES as FIXTURES
 
@@ -20,10 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _trainer(model=None, config=None, **options):
-    torch.manual_seed(0)
-    return ORTTrainer(
-        model or MLP(), MLP_DESC, config or optim.AdamConfig(lr=0.01), loss_fn=ce, options=options or None
-    )
+    return mlp_trainer(model, config=config, **options)
 
 
 # ---------------------------------------------------------------------------- resume in a fresh process
@@ -38,6 +36,7 @@ def resume_runs(tmp_path_factory):
     return folder
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", ["adam", "lamb", "sgd"])
 def test_resume_in_fresh_process_is_bit_identical(resume_runs, name):
     """N steps == k steps + save + load in a new process + N-k steps (LR schedule, accumulation 2)."""
@@ -70,15 +69,7 @@ def test_state_dict_layout_and_copies():
     assert set(state["model"]["full_precision"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert set(state["optimizer"]["fc1.weight"]) == {"Moment_1", "Moment_2", "Update_Count"}
     assert state["optimizer"]["fc1.weight"]["Update_Count"].tolist() == [2]
-    assert state["trainer_options"] == {
-        "mixed_precision": False,
-        "zero_stage": 0,
-        "world_rank": 0,
-        "world_size": 1,
-        "optimizer_name": "AdamOptimizer",
-        "data_parallel_size": 1,
-        "horizontal_parallel_size": 1,
-    }
+    assert state["trainer_options"] == legacy_trainer_options()
     assert state["train_step_info"] == {"optimization_step": 1, "step": 1}
     state["model"]["full_precision"]["fc1.weight"].zero_()  # a copy: training is not affected
     assert trainer.state_dict()["model"]["full_precision"]["fc1.weight"].abs().sum() > 0
