@@ -91,10 +91,56 @@ def test_no_import_circles():
 
 
 def test_the_trainer_state_modules_do_not_import_the_trainer():
-    """Not even for annotations: they work on the `StateOwner` interface."""
+    """Not even for annotations: they work on the explicit `TrainerState`."""
     graph = _import_graph(type_checking=True)
-    for name in ("ort_trainer._state", "ort_trainer._state._checkpoint"):
-        assert "ort_trainer.trainer" not in graph[name], name
+    for name, edges in graph.items():
+        if name.startswith(("ort_trainer._state", "ort_trainer.engine")):
+            assert "ort_trainer.trainer" not in edges, name
+
+
+def _folder_of(module: str) -> str:
+    """The top-level folder a module lives in (``ort_trainer.checkpoint.io`` -> ``ort_trainer.checkpoint``)."""
+    return max((p for p in _ROOTS if module == p or module.startswith(p + ".")), key=len)
+
+
+def test_packages_meet_only_at_public_seams():
+    """No module of one top-level folder imports an underscored module or name of another folder."""
+    crossings = []
+    for name, path in _modules().items():
+        here = _folder_of(name)
+        is_package = path.name == "__init__.py"
+        for node in _imports(ast.parse(path.read_text()), type_checking=True):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("ort_trainer") or _folder_of(base) == here:
+                continue
+            tail = base[len(_folder_of(base)) :].split(".")
+            private = [p for p in tail if p.startswith("_")]
+            private += [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if private:
+                crossings.append(f"{path.relative_to(REPO)}:{node.lineno} imports {base} {private}")
+    assert not crossings, "\n".join(crossings)
+
+
+def test_config_and_checkpoint_rooms_import_one_way():
+    """config/ is read by every room and reads none; in checkpoint/, sets/ and format/ never import io/."""
+    graph = _import_graph(type_checking=True)
+    rooms = ("ort_trainer.graph", "ort_trainer.engine", "ort_trainer._state", "ort_trainer.diagnosis")
+    lower = {
+        "ort_trainer.config": (*rooms, "ort_trainer.trainer"),
+        "ort_trainer.checkpoint.sets": ("ort_trainer.checkpoint.io", "ort_trainer.checkpoint.manager"),
+        "ort_trainer.checkpoint.format": ("ort_trainer.checkpoint.io", "ort_trainer.checkpoint.sets"),
+    }
+    for name, edges in graph.items():
+        for room, forbidden in lower.items():
+            if name.startswith(room):
+                wrong = sorted(e for e in edges if e.startswith(forbidden))
+                assert not wrong, f"{name} imports {wrong}"
 
 
 def test_every_package_declares_its_public_api():
@@ -118,7 +164,9 @@ def test_trainer_package_shows_its_parts_and_imports_go_one_way():
     """graph/ (making the training graph) never imports engine/ (running it) or the state code."""
     folder = _ROOTS["ort_trainer"]
     rooms = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert {"graph", "engine", "_state"} <= rooms
+    assert {"config", "graph", "diagnosis", "engine", "_state"} <= rooms
+    flat = {p.name for p in folder.glob("*.py")}
+    assert flat == {"__init__.py", "trainer.py", "train_step_info.py"}, flat
     assert (folder / "graph" / "rewrites" / "__init__.py").exists()
     above = {
         "ort_trainer.graph": ("ort_trainer.engine", "ort_trainer._state", "ort_trainer.trainer"),
