@@ -1,8 +1,8 @@
 """`ORTTrainer`: train a PyTorch module or an ONNX model with ONNX Runtime.
 
-Public methods validate their arguments, then delegate to short private steps. The heavy lifting
-lives elsewhere: `_build` (export + graphs + buffers), `_session` (ORT runs), `optim` (updates),
-`_state` (state dicts) and `checkpoint` (files).
+A thin facade: public methods validate their arguments, then hand the trainer's `TrainerState` to the
+rooms that do the work: `engine._build` (export + graphs + buffers), `engine._step` (the step and its
+distributed update), `_state` (state dicts, checkpoints through `checkpoint/`).
 """
 
 from __future__ import annotations
@@ -297,15 +297,14 @@ class ORTTrainer:
         ``torch.distributed.destroy_process_group()`` on every rank when you are done with it. Idempotent;
         a closed trainer refuses steps, saves and loads (``state_dict()`` still works).
         """
+        state = self._trainer_state
         try:
-            if (
-                self._trainer_state.checkpoint_io is not None
-            ):  # a background save agrees over the process group: finish it first
-                self._trainer_state.checkpoint_io.wait()
+            if state.checkpoint_io is not None:  # a background save agrees over the process group: finish it first
+                state.checkpoint_io.wait()
         finally:
-            if self._trainer_state.dist is not None:
-                self._trainer_state.dist.close()
-            self._trainer_state.closed = True
+            if state.dist is not None:
+                state.dist.close()
+            state.closed = True
 
     def all_gather_objects(self, value: Any) -> list:
         """``value`` of every rank, in rank order (``[value]`` in a single process): how `CheckpointManager`
@@ -314,7 +313,6 @@ class ORTTrainer:
         return [value] if dist is None else dist.all_gather_objects(value)
 
     # ------------------------------------------------------------------ private steps
-
     def _check_background_save(self) -> None:
         """Raise the error of a finished asynchronous save nobody has been told about yet (never blocks)."""
         if self._trainer_state.checkpoint_io is not None:

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from ort_trainer import checkpoint as C
-from tests.builders import legacy_trainer_options
 from tests.paths import LEGACY_CHECKPOINT as LEGACY
 from tests.paths import LEGACY_STATE_NPZ as EXPECTED
 
@@ -31,9 +30,9 @@ def test_arrays_equal_the_npz():
     assert state["optimizer"]["fc1.weight"]["Update_Count"].tolist() == [9]
 
 
-def test_trainer_options_and_step_info_are_python_values():
+def test_trainer_options_and_step_info_are_python_values(trainer_options):
     state = C.load(LEGACY)
-    assert state["trainer_options"] == legacy_trainer_options()
+    assert state["trainer_options"] == trainer_options
     assert type(state["trainer_options"]["optimizer_name"]) is str
     assert type(state["trainer_options"]["mixed_precision"]) is bool
     assert state["train_step_info"] == {"optimization_step": 8, "step": 8}
