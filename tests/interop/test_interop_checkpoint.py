@@ -120,7 +120,7 @@ def test_stateful_objects_are_saved_and_loaded_without_pickle(tmp_path):
     path = tmp_path / "s.ortcp"
     trainer.save_checkpoint(path, stateful={"sampler": sampler, "ema": ema, "metrics": metrics})
     assert "stateful" in checkpoint.load(path)  # stored as plain groups (no pickle needed to read it back)
-    fresh, fresh_sampler, fresh_ema, fresh_metrics = mlp_trainer(1), Sampler(), EMA(MLP()), Metrics()
+    fresh, fresh_sampler, fresh_ema, fresh_metrics = mlp_trainer(seed=1), Sampler(), EMA(MLP()), Metrics()
     fresh.load_checkpoint(path, stateful={"sampler": fresh_sampler, "ema": fresh_ema, "metrics": fresh_metrics})
     assert (fresh_sampler.offset, fresh_sampler.epoch) == (128, 2)
     assert_trees_equal(fresh_ema.shadow, ema.shadow)
@@ -133,7 +133,7 @@ def test_a_failing_component_leaves_everything_unchanged(tmp_path):
     trainer.train_step(*mlp_batches(1)[0])
     path = tmp_path / "s.ortcp"
     trainer.save_checkpoint(path, stateful={"sampler": Sampler(offset=7), "ema": EMA(MLP())})
-    fresh = mlp_trainer(1)
+    fresh = mlp_trainer(seed=1)
     fresh.train_step(*mlp_batches(1)[0])
     before = fresh.state_dict()
     sampler = Sampler(offset=3)
