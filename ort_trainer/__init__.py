@@ -23,7 +23,7 @@ _package.configure_from_env()
 if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
     from . import amp, checkpoint, optim
     from ._state import StateDictOptions
-    from .options import ORTTrainerOptions
+    from .config import ORTTrainerOptions
     from .train_step_info import TrainStepInfo
     from .trainer import ORTTrainer
 
@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ORTTrainer": ".trainer",
-    "ORTTrainerOptions": ".options",
+    "ORTTrainerOptions": ".config",
     "StateDictOptions": "._state",
     "TrainStepInfo": ".train_step_info",
 }

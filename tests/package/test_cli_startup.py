@@ -13,11 +13,11 @@ import sys
 
 import pytest
 import torch
-from ort_trainer.checkpoint import cli
 
 from ort_trainer import checkpoint as C
+from ort_trainer.checkpoint import cli
 from tests.paths import LEGACY_CHECKPOINT
-from tests.test_checkpoint_aggregate import full_state, save_ranks
+from tests.rank_states import full_state, save_ranks
 
 HEAVY = ("torch", "onnxruntime", "onnx", "transformers", "safetensors", "fsspec")
 

@@ -1,6 +1,6 @@
 """The library reports through the ``ort_trainer`` logger, never ``print``; ORT_TRAINER_LOG_LEVEL raises verbosity.
 
-(The asynchronous-save error at exit is checked as an ERROR record in tests/test_checkpoint_async.py.)
+(The asynchronous-save error at exit is checked as an ERROR record in tests/checkpoint/test_checkpoint_async.py.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from ort_trainer._native_logs import quiet_native_info_logs
+from ort_trainer.diagnosis._native_logs import quiet_native_info_logs
 from tests.paths import REPO
 
 LIBRARY = [REPO / "ort_trainer", REPO / "checkpoint", REPO / "optim", REPO / "amp"]
@@ -84,7 +84,7 @@ def test_native_onnxruntime_lines_become_records_by_severity(caplog):
     with caplog.at_level(logging.DEBUG, logger="ort_trainer"), quiet_native_info_logs():
         os.write(2, ("\n".join(lines) + "\n").encode())
     records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
-    name = "ort_trainer._native_logs"
+    name = "ort_trainer.diagnosis._native_logs"
     assert records == [
         (name, logging.DEBUG, lines[0]),
         (name, logging.WARNING, lines[1]),
