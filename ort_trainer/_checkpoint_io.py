@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ort_trainer.checkpoint.errors import CheckpointExistsError
-from ort_trainer.checkpoint.io import AsyncWriter, Location, SaveHandle, save_tree
+from ort_trainer.checkpoint.io import AsyncWriter, Location, SaveHandle, make_parent_folder, save_tree
 from ort_trainer.checkpoint.sets._writer import plan_set_save, write_set
 
 __all__ = ["CheckpointIO", "write_checkpoint"]
@@ -74,11 +74,11 @@ class CheckpointIO:
 
 
 def _check_single_target(target: Location, overwrite: bool) -> None:
-    """What ``checkpoint.save`` would refuse, refused now (not later on the background thread)."""
+    """What ``checkpoint.save`` would refuse, refused now (not later on the background thread); a missing
+    folder is created now, at the call."""
     if target.is_dir():
         raise IsADirectoryError(f"{target.display} is a directory; give a file path for the checkpoint")
-    if not target.parent_exists():
-        raise FileNotFoundError(f"cannot save {target.display}: its folder does not exist")
+    make_parent_folder(target)
     if not overwrite and target.exists():
         raise CheckpointExistsError(f"{target.display} already exists; pass overwrite=True to replace it")
 

@@ -20,6 +20,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ort_trainer.checkpoint.io import SaveHandle
 from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
+from ort_trainer.engine._random import as_run_seed, reseed
 from ort_trainer.engine._session import resolve_device
 from ort_trainer.engine._store import build_store
 from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
@@ -102,6 +103,7 @@ class ORTTrainer:
             self._dist,
             self._zero_stage,
         )
+        self._train_step_info.seed = self._agreed_run_seed()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -137,6 +139,8 @@ class ORTTrainer:
             feeds[engine.loss_scale_input] = torch.tensor(
                 scaler.loss_scale, dtype=torch.float32, device=engine.params.device
             )
+        if engine.session.draws_randomness:  # this step's Dropout masks: a function of (seed, rank, step) only
+            reseed(info.seed, 0 if self._dist is None else self._dist.rank, step)
         with explain_run_errors(engine.label_specs, engine.input_shapes, self.model_desc.input_names, inputs, feeds):
             outputs = engine.session.run_train(feeds, (step - 1) % accumulation == 0)
         _state.finish_rank_check(self, pending_check)
@@ -311,6 +315,12 @@ class ORTTrainer:
             self._closed = True
 
     # ------------------------------------------------------------------ private steps
+    def _agreed_run_seed(self) -> int:
+        """The run's random seed: ``torch.initial_seed()`` (so ``torch.manual_seed(s)`` makes Dropout repeatable
+        too), rank 0's on every rank. A loaded checkpoint's ``train_step_info.seed`` replaces it."""
+        seed = as_run_seed(torch.initial_seed())
+        return seed if self._dist is None else int(self._dist.all_gather_objects(seed)[0])
+
     def _all_gather_objects(self, value: Any) -> list:
         """``value`` of every rank, in rank order (``[value]`` in a single process); used by CheckpointManager."""
         return [value] if self._dist is None else self._dist.all_gather_objects(value)

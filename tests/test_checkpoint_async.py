@@ -118,7 +118,7 @@ def test_a_background_failure_is_raised_by_the_next_call_once(tmp_path, monkeypa
         trainer.save_checkpoint(tmp_path / "b.ortcp", async_save=True)
     monkeypatch.undo()
     trainer.save_checkpoint(tmp_path / "a.ortcp", async_save=True).wait()  # healthy again once space is back
-    assert checkpoint.load(tmp_path / "a.ortcp", key="train_step_info") == {"optimization_step": 2, "step": 2}
+    assert checkpoint.load(tmp_path / "a.ortcp", key="train_step_info") == {"optimization_step": 2, "step": 2, "seed": 0}
 
 
 EXIT_SCRIPT = """
@@ -151,7 +151,8 @@ def test_process_exit_waits_for_unfinished_saves_and_reports_a_failure_nobody_sa
         timeout=120,
     )
     assert result.returncode == 0 and "returned" in result.stdout, result.stderr
-    assert checkpoint.load(ok, key="train_step_info") == {"optimization_step": 1, "step": 1}
+    info = checkpoint.load(ok, key="train_step_info")
+    assert info == {"optimization_step": 1, "step": 1, "seed": info["seed"]}
     assert not failing.exists()
     assert f"the asynchronous save of {failing} failed" in result.stderr, result.stderr
     assert "No space left on device" in result.stderr and str(ok) not in result.stderr
