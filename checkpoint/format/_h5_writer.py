@@ -31,6 +31,7 @@ __all__ = ["check_target", "cleanup_temp_files", "plan_tree", "save", "write_lea
 
 Entry = tuple[str, str, Leaf | None]  # (absolute HDF5 path, original key, leaf); leaf None = group
 
+
 def plan_tree(tree: Mapping[str, Any]) -> list[Entry]:
     """Validate and encode every key and leaf (TypeError/ValueError naming the key path)."""
     if not isinstance(tree, Mapping):
@@ -100,7 +101,9 @@ def check_target(path: Path, overwrite: bool) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise type(exc)(exc.errno, f"cannot save {path}: cannot create its folder ({exc.strerror})", str(path.parent)) from None
+            raise type(exc)(
+                exc.errno, f"cannot save {path}: cannot create its folder ({exc.strerror})", str(path.parent)
+            ) from None
     if path.exists() and not overwrite:
         raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
 
