@@ -32,8 +32,14 @@ class DropoutMLP(torch.nn.Module):
 
 def _gpt2():
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip  (resid/embd/attn dropout: GPT-2's default 0.1)
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )  # resid/embd/attn dropout: GPT-2's default 0.1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return transformers.GPT2LMHeadModel(config)
