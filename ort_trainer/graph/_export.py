@@ -25,6 +25,7 @@ from ort_trainer._names import outer_module, plain_module
 from ort_trainer.model_desc import ModelDescription
 
 from ._forward import ModelWithLoss, module_for_export
+from ._symbolics import register_symbolics
 
 __all__ = ["ExportedModel", "export_torch_model", "onnx_model_parameters"]
 
@@ -73,6 +74,7 @@ def export_torch_model(
 
 def _trace(wrapper: torch.nn.Module, desc: ModelDescription, sample_inputs, opset_version: int) -> onnx.ModelProto:
     buffer = io.BytesIO()
+    register_symbolics()  # aten::diff, aten::histc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
