@@ -1,4 +1,4 @@
-"""Exporter symbolics (TorchScript exporter, opset >= 15) for aten ops that torch 2.x cannot export.
+"""Exporter symbolics (TorchScript exporter, opset >= 13) for aten ops that torch 2.x cannot export.
 
 * ``aten::diff`` (transformers 5 looks for packed sequences with ``torch.diff(position_ids)`` when a
   causal LM gets no attention mask and no cache: Llama-family models with ``use_cache=False``,
@@ -13,6 +13,10 @@
   torch's symbolic emits ``CumSum`` on ``bool``, which ONNX refuses; the input is cast to int64 first
   (torch's result type), then torch's own symbolic runs.
 
+* ``aten::group_norm``: torch exports it through ``InstanceNormalization``, which ONNX Runtime 1.19
+  cannot differentiate (Wav2Vec2's feature encoder); written out with ``ReduceMean`` over each group
+  instead (biased variance, as torch), then the per-channel affine.
+
 Registered once, before the first export (:func:`register_symbolics`); a symbolic the user registered
 for the same op is kept.
 """
@@ -24,7 +28,7 @@ from torch.onnx import symbolic_helper as sh
 
 __all__ = ["register_symbolics"]
 
-_OPSET = 15  # CastLike
+_OPSET = 13  # Slice, ReduceSum, Unsqueeze with axes as inputs
 _INT64_MAX = 2**63 - 1
 _registered = False
 
@@ -37,6 +41,7 @@ def register_symbolics() -> None:
     for name, fn in (("aten::diff", _diff), ("aten::histc", _histc)):
         if _symbolic(name) is None:
             torch.onnx.register_custom_op_symbolic(name, fn, _OPSET)
+    torch.onnx.register_custom_op_symbolic("aten::group_norm", _group_norm, _OPSET)
     torch_cumsum = _symbolic("aten::cumsum")
     if torch_cumsum is not None:
         torch.onnx.register_custom_op_symbolic("aten::cumsum", _bool_safe_cumsum(torch_cumsum), _OPSET)
@@ -62,6 +67,11 @@ def _bool_safe_cumsum(torch_cumsum):
     return cumsum
 
 
+def _onnx_type(x) -> int:
+    dtype = x.type().dtype() if x.type().kind() == "TensorType" and x.type().scalarType() else torch.float32
+    return {torch.float16: 10, torch.bfloat16: 16, torch.float64: 11}.get(dtype, 1)
+
+
 def _is_bool(x) -> bool:
     return x.type().kind() == "TensorType" and x.type().scalarType() == "Bool"
 
@@ -71,7 +81,9 @@ def _ints(g, *values: int):
 
 
 def _scalar_like(g, value: float, like):
-    return g.op("CastLike", g.op("Constant", value_t=torch.tensor(value, dtype=torch.float32)), like)
+    """A scalar constant in ``like``'s dtype (known when tracing; no ``CastLike``: ORT has no gradient for it)."""
+    dtype = like.type().dtype() if like.type().kind() == "TensorType" and like.type().scalarType() else None
+    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype or torch.float32))
 
 
 @sh.parse_args("v", "i", "i", "v", "v")
@@ -113,4 +125,28 @@ def _histc(g, x, bins, low, high):
     hits = g.op("Equal", g.op("Unsqueeze", index, _ints(g, 1)), every_bin)
     hits = g.op("And", hits, g.op("Unsqueeze", inside, _ints(g, 1)))
     counts = g.op("ReduceSum", g.op("Cast", hits, to_i=torch.onnx.TensorProtoDataType.FLOAT), _ints(g, 0), keepdims_i=0)
-    return g.op("CastLike", counts, flat)
+    return g.op("Cast", counts, to_i=_onnx_type(flat))
+
+
+def _reduce_mean(g, x, axis: int):
+    if g.opset >= 18:  # axes became an input
+        return g.op("ReduceMean", x, _ints(g, axis), keepdims_i=1)
+    return g.op("ReduceMean", x, axes_i=[axis], keepdims_i=1)
+
+
+@sh.parse_args("v", "i", "v", "v", "f", "i")
+def _group_norm(g, x, groups, weight, bias, eps, cudnn_enabled):
+    rank = sh._get_tensor_rank(x)
+    if rank is None:
+        raise torch.onnx.errors.SymbolicValueError("group_norm: the input's rank must be known to export it", x)
+    grouped = g.op("Reshape", x, _ints(g, 0, groups, -1))  # (N, G, C/G * spatial)
+    centered = g.op("Sub", grouped, _reduce_mean(g, grouped, 2))
+    variance = _reduce_mean(g, g.op("Mul", centered, centered), 2)
+    normed = g.op("Div", centered, g.op("Sqrt", g.op("Add", variance, _scalar_like(g, eps, x))))
+    out = g.op("Reshape", normed, g.op("Shape", x))
+    channel_axes = _ints(g, *range(1, rank - 1))  # weight (C,) -> (C, 1, ..., 1)
+    if not sh._is_none(weight):
+        out = g.op("Mul", out, g.op("Unsqueeze", weight, channel_axes) if rank > 2 else weight)
+    if not sh._is_none(bias):
+        out = g.op("Add", out, g.op("Unsqueeze", bias, channel_axes) if rank > 2 else bias)
+    return out

@@ -124,7 +124,7 @@ def _wav2vec2_config(**extra):
         conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
         num_conv_pos_embedding_groups=2, hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0,
         feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
-        classifier_proj_size=16, num_labels=3, feat_extract_norm="layer", **extra,
+        classifier_proj_size=16, num_labels=3, **extra,
     )  # fmt: skip
 
 
