@@ -17,6 +17,8 @@
   cannot differentiate (Wav2Vec2's feature encoder); written out with ``ReduceMean`` over each group
   instead (biased variance, as torch), then the per-channel affine.
 
+* ``aten::ctc_loss``: the CTC forward recursion unrolled over the (static) frames, see `_ctc`.
+
 Registered once, before the first export (:func:`register_symbolics`); a symbolic the user registered
 for the same op is kept.
 """
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import torch
 from torch.onnx import symbolic_helper as sh
+
+from ._ctc import ctc_loss
 
 __all__ = ["register_symbolics"]
 
@@ -38,7 +42,7 @@ def register_symbolics() -> None:
     global _registered
     if _registered:
         return
-    for name, fn in (("aten::diff", _diff), ("aten::histc", _histc)):
+    for name, fn in (("aten::diff", _diff), ("aten::histc", _histc), ("aten::ctc_loss", ctc_loss)):
         if _symbolic(name) is None:
             torch.onnx.register_custom_op_symbolic(name, fn, _OPSET)
     torch.onnx.register_custom_op_symbolic("aten::group_norm", _group_norm, _OPSET)

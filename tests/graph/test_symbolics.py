@@ -1,6 +1,7 @@
 """The exporter symbolics ort_trainer registers give torch's values in ONNX Runtime.
 
-aten::diff, aten::histc, boolean aten::cumsum and aten::group_norm (without InstanceNormalization);
+aten::diff, aten::histc, boolean aten::cumsum, aten::group_norm (without InstanceNormalization) and
+aten::ctc_loss (unrolled over the frames);
 the zoo (tests/zoo) trains the models that need them.
 """
 
@@ -61,3 +62,44 @@ def test_group_norm_equals_torch(shape):
     x = torch.randn(*shape) * 3 + 1
     got = _run_exported(norm, x)[0]
     torch.testing.assert_close(torch.from_numpy(got), norm(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+class CTC(torch.nn.Module):
+    def __init__(self, reduction: str, zero_infinity: bool):
+        super().__init__()
+        self.reduction, self.zero_infinity = reduction, zero_infinity
+
+    def forward(self, log_probs, targets, input_lengths, target_lengths):
+        return torch.nn.functional.ctc_loss(
+            log_probs, targets, input_lengths, target_lengths, blank=0, reduction=self.reduction,
+            zero_infinity=self.zero_infinity,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("concatenated", [True, False])
+def test_ctc_loss_equals_torch(reduction, concatenated):
+    g = torch.Generator().manual_seed(0)
+    log_probs = torch.randn(12, 4, 6, generator=g).log_softmax(-1)
+    target_lengths = torch.tensor([3, 5, 0, 2])
+    input_lengths = torch.tensor([12, 10, 7, 11])
+    padded = torch.randint(1, 6, (4, 5), generator=g)
+    padded[1, 1] = padded[1, 2]  # a repeated label needs a blank between: no skip there
+    targets = torch.cat([padded[i, :n] for i, n in enumerate(target_lengths)]) if concatenated else padded
+    module = CTC(reduction, zero_infinity=False)
+    got = _run_exported(module, log_probs, targets, input_lengths, target_lengths)[0]
+    torch.testing.assert_close(torch.from_numpy(got), module(log_probs, targets, input_lengths, target_lengths))
+
+
+def test_ctc_zero_infinity_zeroes_impossible_alignments():
+    log_probs = torch.randn(3, 2, 5, generator=torch.Generator().manual_seed(1)).log_softmax(-1)
+    targets, input_lengths, target_lengths = (
+        torch.tensor([[1, 1, 1], [2, 3, 0]]),
+        torch.tensor([3, 3]),
+        torch.tensor([3, 2]),
+    )
+    module = CTC("none", zero_infinity=True)  # three equal labels need 5 frames: impossible in 3
+    got = torch.from_numpy(_run_exported(module, log_probs, targets, input_lengths, target_lengths)[0])
+    expected = module(log_probs, targets, input_lengths, target_lengths)
+    assert got[0] == 0 == expected[0]
+    torch.testing.assert_close(got, expected)

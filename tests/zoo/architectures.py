@@ -137,8 +137,7 @@ def _wav2vec2():
     )
 
 
-def wav2vec2_ctc() -> Architecture:
-    """Not trainable (no ONNX export of ctc_loss): the zoo checks the error it gives."""
+def _wav2vec2_ctc() -> Architecture:
     inputs = [("input_values", ["batch", 400]), ("labels", ["batch", "target"])]
     return Architecture(
         _make(transformers.Wav2Vec2ForCTC, _wav2vec2_config(pad_token_id=0)),
@@ -213,4 +212,5 @@ ARCHITECTURES: dict[str, Callable[[], Architecture]] = {
     "vit": _vit,
     "wav2vec2": _wav2vec2,
     "clip": _clip,
+    "wav2vec2-ctc": _wav2vec2_ctc,
 }

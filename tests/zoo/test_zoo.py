@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
-from tests.zoo.architectures import ARCHITECTURES, Architecture, mixtral, wav2vec2_ctc
+from tests.zoo.architectures import ARCHITECTURES, Architecture, mixtral
 
 pytestmark = pytest.mark.zoo
 
@@ -24,7 +24,9 @@ LR, DECAY, EPS = 1e-3, 0.01, 1e-5  # eps 1e-5: see tests/test_interop_hf.py
 # CLIP's one-layer text tower: the loss does not depend on the key bias and barely on q/k, so their gradients
 # are rounding noise that Adam scales up to +-lr (torch 5e-6 vs ORT 0 on k_proj.bias; q/k weights 2e-5 apart
 # while the losses agree to 1e-7)
-WEIGHT_ATOL = {"clip": 5e-5}
+# Wav2Vec2 CTC: the CTC gradient comes from the unrolled alpha recursion (log-sum-exp per frame), summed in
+# another order than torch's alpha-beta gradient; the losses (~280, reduction "sum") agree to 1e-7 relative
+WEIGHT_ATOL = {"clip": 5e-5, "wav2vec2-ctc": 1e-4}
 
 
 def _trainer(model: torch.nn.Module, arch: Architecture) -> ORTTrainer:
@@ -65,17 +67,11 @@ def test_the_architecture_trains_like_torch(name):
             torch.testing.assert_close(weights[key], value, atol=atol, rtol=1e-4, msg=f"{name}: {key}")
 
 
-@pytest.mark.parametrize(
-    ("arch", "message"),
-    [
-        (wav2vec2_ctc, r"aten::ctc_loss \(used by the model \(Wav2Vec2ForCTC\)\): .*no ONNX export.* loss_fn"),
-        (lambda: mixtral("grouped_mm"), r"aten::_grouped_mm \(used by .*experts \(MixtralExperts\)\).*'eager'"),
-    ],
-    ids=["wav2vec2-ctc", "mixtral-grouped-mm"],
-)
-def test_what_cannot_be_exported_says_what_to_do(arch, message):
-    arch = arch()
+def test_what_cannot_be_exported_says_what_to_do():
+    arch = mixtral("grouped_mm")
     torch.manual_seed(0)
     trainer = _trainer(arch.build(), arch)
-    with pytest.raises(NotImplementedError, match=message):
+    with pytest.raises(
+        NotImplementedError, match=r"aten::_grouped_mm \(used by .*experts \(MixtralExperts\)\).*'eager'"
+    ):
         trainer.train_step(*arch.batch(torch.Generator().manual_seed(1)))
