@@ -19,8 +19,10 @@
 
 * ``aten::ctc_loss``: the CTC forward recursion unrolled over the (static) frames, see `_ctc`.
 
-Registered once, before the first export (:func:`register_symbolics`); a symbolic the user registered
-for the same op is kept.
+Registered once, before the first export (:func:`register_symbolics`), in torch's process-wide registry
+(the user's own ``torch.onnx.export`` calls see them from then on; they compute torch's values). For
+diff, histc and ctc_loss a symbolic the user registered first is kept; group_norm and cumsum replace
+torch's own.
 """
 
 from __future__ import annotations

@@ -31,22 +31,12 @@ def _label(name: str, module: torch.nn.Module) -> str:
     return f"{name} ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
 
 
-def _ctc_users(model: torch.nn.Module) -> list[str]:
-    return [_label(name, m) for name, m in model.named_modules() if "CTC" in type(m).__name__][:1]
-
-
 _HINTS = {
     "aten::_grouped_mm": (
         _experts,
         "the grouped_mm experts implementation of transformers' mixture-of-experts layers (torch._grouped_mm) has no "
         "ONNX export; build the model with experts_implementation='eager' (or 'batched_mm'): "
         "Config(..., experts_implementation='eager'), or model.set_experts_implementation('eager')",
-    ),
-    "aten::ctc_loss": (
-        _ctc_users,
-        "torch.nn.functional.ctc_loss (CTCLoss) has no ONNX export, so a CTC loss cannot be part of the training "
-        "graph: train this model with a loss that exports (e.g. cross-entropy on frame-aligned labels: call the "
-        "model without labels and pass loss_fn), or train it in PyTorch",
     ),
 }
 
