@@ -17,11 +17,13 @@ batches would, and the same masks again when the run resumes on the same number 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import onnx
 import onnxruntime as ort
+import torch
 
-__all__ = ["RANDOM_OPS", "as_run_seed", "draws_randomness", "reseed", "step_seed"]
+__all__ = ["RANDOM_OPS", "agreed_run_seed", "as_run_seed", "draws_randomness", "reseed", "step_seed"]
 
 # ops whose kernels take their seed from ONNX Runtime's default generator when they have no `seed` attribute
 RANDOM_OPS = frozenset(
@@ -65,3 +67,11 @@ def reseed(run_seed: int, rank: int, step: int) -> None:
 def as_run_seed(value: int) -> int:
     """Any int (``torch.initial_seed()`` is 64-bit unsigned) as a seed that HDF5 stores as int64 >= 0."""
     return int(value) & _INT63
+
+
+def agreed_run_seed(dist: Any = None) -> int:
+    """A new run's seed: ``torch.initial_seed()`` (so ``torch.manual_seed(s)`` makes Dropout repeatable too),
+    rank 0's on every rank (``dist``: the trainer's `DistributedContext`, or None). A loaded checkpoint's
+    ``train_step_info.seed`` replaces it."""
+    seed = as_run_seed(torch.initial_seed())
+    return seed if dist is None else int(dist.all_gather_objects(seed)[0])

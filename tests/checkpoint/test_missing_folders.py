@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, checkpoint, optim
+from tests.checkpoint.test_checkpoint_set_writer import save as save_on_thread_ranks
 from tests.models import MLP, MLP_DESC, mlp_batches
 from tests.ranks import run_ranks
-from tests.test_checkpoint_set_writer import save as save_on_thread_ranks
 
 
 def _trainer() -> ORTTrainer:
