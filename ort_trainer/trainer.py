@@ -20,6 +20,7 @@ from ort_trainer.checkpoint.io import SaveHandle
 from ort_trainer.engine import TrainerState
 from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
+from ort_trainer.engine._random import agreed_run_seed
 from ort_trainer.engine._session import resolve_device
 from ort_trainer.engine._step import eval_step, train_step
 from ort_trainer.engine._store import build_store
@@ -97,7 +98,7 @@ class ORTTrainer:
             model=model,
             device=device,
             store=store,
-            train_step_info=TrainStepInfo(optim_config),
+            train_step_info=TrainStepInfo(optim_config, seed=agreed_run_seed(dist)),
             dist=dist,
         )
 

@@ -27,7 +27,7 @@ from ..format._h5_writer import save_to_checked_target
 from ._async import AsyncWriter, SaveHandle
 from ._location import Location
 from ._set_writer import plan_set_save, write_set
-from ._transfer import save_tree
+from ._transfer import make_parent_folder, save_tree
 
 __all__ = ["CheckpointIO", "write_checkpoint"]
 
@@ -83,11 +83,11 @@ class CheckpointIO:
 
 
 def _check_single_target(target: Location, overwrite: bool) -> None:
-    """What ``checkpoint.save`` would refuse, refused now (not later on the background thread)."""
+    """What ``checkpoint.save`` would refuse, refused now (not later on the background thread); a missing
+    folder is created now, at the call."""
     if target.is_dir():
         raise IsADirectoryError(f"{target.display} is a directory; give a file path for the checkpoint")
-    if not target.parent_exists():
-        raise FileNotFoundError(f"cannot save {target.display}: its folder does not exist")
+    make_parent_folder(target)
     if not overwrite and target.exists():
         raise CheckpointExistsError(f"{target.display} already exists; pass overwrite=True to replace it")
 

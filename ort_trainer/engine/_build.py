@@ -24,6 +24,7 @@ from ort_trainer.graph._fp16_support import model_op_types, provider_fp16_suppor
 from ort_trainer.graph._gradient_fixes import expand_where_inputs
 from ort_trainer.graph._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ort_trainer.graph._passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
+from ort_trainer.graph._scaled_sum import unfuse_scaled_sum
 
 from ._memory import release_freed_memory
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
@@ -180,6 +181,7 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
     outputs = backprop + _loss_first(request.desc) + [o.name for o in forward.graph.output if o.name not in known]
     train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
     if request.device.torch_device.type == "cpu":  # slow single-threaded gradient kernels; CUDA left as is
+        unfuse_scaled_sum(train_model)  # the gradient builder's CUDA-only fusion: no CPU kernel
         apply_training_rewrites(train_model)
     if mixed is not None:
         strip_loss_scaling(eval_model, mixed)
