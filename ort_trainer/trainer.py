@@ -24,6 +24,7 @@ from ort_trainer.engine._session import resolve_device
 from ort_trainer.engine._store import build_store
 from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
 from ort_trainer.optim.config import _OptimizerConfig
+from ort_trainer.parallel import HorizontalParallel
 
 from . import _state
 from ._checkpoint_io import CheckpointIO
@@ -87,6 +88,16 @@ class ORTTrainer:
             if dist_options.world_size > 1
             else None
         )
+        # Megatron (horizontal parallel): the state is built from this rank's slice of the model (docs/megatron.md)
+        self._horizontal = (
+            HorizontalParallel(model, self.options, optim_config, self._device.torch_device)
+            if dist_options.horizontal_parallel_size > 1
+            else None
+        )
+        store_model, store_dist = model, self._dist
+        if self._horizontal is not None:
+            self._model = store_model = self._horizontal.model
+            store_dist = self._horizontal.data_parallel
         self._train_step_info = TrainStepInfo(optim_config)
         self._closed = False
         self._engine: Engine | None = None
@@ -95,11 +106,11 @@ class ORTTrainer:
             check_onnx_io(model, self.model_desc)
         # The whole state exists from here on (parameters, optimizer, frozen state), before any graph.
         self._store = build_store(
-            model,
+            store_model,
             optim_config,
             tuple(self.options.utils.frozen_weights),
             self._device.torch_device,
-            self._dist,
+            store_dist,
             self._zero_stage,
         )
 
@@ -392,6 +403,8 @@ class ORTTrainer:
                     norm = math.sqrt(ctx.sum_scalar(float(own.double().square().sum())))
             else:
                 ctx.all_reduce_(engine.padded_grads)
+        if norm is None and clip and self._horizontal is not None:  # split weights: the norm spans the group
+            norm = self._horizontal.grad_norm(engine.grad_views)
         if norm is None and (scaler is not None or (clip and engine.zero is not None)):
             norm = float(torch.linalg.vector_norm(engine.grads))
         if norm is not None and not math.isfinite(norm):
@@ -415,6 +428,7 @@ class ORTTrainer:
             extra_postprocess=self.options._internal_use.extra_postprocess,
             zero_stage=self._zero_stage,
             mixed_precision=bool(self.options.mixed_precision.enabled),
+            horizontal=self._horizontal,
         )
 
     def _require_engine(self, what: str) -> Engine:
