@@ -35,6 +35,7 @@ class _Runner:
             self.session = ort.InferenceSession(model.SerializeToString(), options, device.providers)
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self._bool = {o.name for o in self.session.get_outputs() if o.type == "tensor(bool)"}
         self.device = device
 
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -48,7 +49,10 @@ class _Runner:
             io.bind_output(name, self.device.binding_type, self.device.binding_id)
         self.session.run_with_iobinding(io)
         values = io._iobinding.get_outputs()
-        return {name: from_dlpack(v.to_dlpack()) for name, v in zip(self.outputs, values, strict=True)}
+        out = {name: from_dlpack(v.to_dlpack()) for name, v in zip(self.outputs, values, strict=True)}
+        for name in self._bool:  # DLPack hands ORT's bool tensors over as uint8
+            out[name] = out[name].view(torch.bool) if out[name].dtype == torch.uint8 else out[name]
+        return out
 
 
 class ParallelSession:

@@ -24,6 +24,7 @@ from onnxruntime import SessionOptions
 from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
 from ort_trainer._native_logs import quiet_native_info_logs
+from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
 
 from .markers import COPY_OP, DOMAIN, REDUCE_OP
 
@@ -94,6 +95,7 @@ def split_graph(
         for out in node.output:
             seg_of[out] = level
         assigned.setdefault(level, []).append(node)
+    _sink_free_nodes(assigned, seg_of, marker_outputs, [o.name for o in graph.output], graph.node)
     found = [
         Marker(n.op_type, n.input[0], n.output[0], seg_of.get(n.input[0], 0) + 1) for n in graph.node if n.domain == DOMAIN
     ]
@@ -101,10 +103,11 @@ def split_graph(
     graph_inputs = [i.name for i in graph.input if i.name not in constants]
     graph_outputs = [o.name for o in graph.output]
     readers = _readers(assigned, found, graph_outputs, seg_of, marker_outputs)
+    trained = _depends_on(graph.node, params, types)
     segments = []
     for index in sorted(assigned):
         segments.append(
-            _segment(index, assigned[index], consts, constants, params, frozen_set, types, readers, model, loss)
+            _segment(index, assigned[index], consts, constants, params, frozen_set, types, readers, model, trained)
         )
     return SegmentedGraph(segments, found, graph_inputs, graph_outputs)
 
@@ -138,7 +141,7 @@ def _value_types(model: onnx.ModelProto, markers: Iterable[onnx.NodeProto]) -> d
         if node.domain == DOMAIN:
             node.domain, node.op_type = "", "Identity"
     del probe.graph.value_info[:]
-    inferred = onnx.shape_inference.infer_shapes(probe)
+    inferred = forget_unnamed_dims(onnx.shape_inference.infer_shapes(probe))
     g = inferred.graph
     types = {v.name: v for v in [*g.value_info, *g.input, *g.output]}
     for init in g.initializer:
@@ -177,7 +180,45 @@ def _readers(assigned, markers, graph_outputs, seg_of, marker_outputs) -> dict[s
     return readers
 
 
-def _segment(index, nodes, consts, constants, params, frozen, types, readers, model, loss) -> Segment:
+def _depends_on(nodes, params: set[str], types) -> set[str]:
+    """Float values that depend on a trainable parameter: the only ones a gradient flows through (masks,
+    shapes and values computed from shapes do not)."""
+    found = set(params)
+    for node in nodes:
+        if any(name in found for name in node.input):
+            found.update(o for o in node.output if o in types and _is_float(types[o]))
+    return found
+
+
+def _sink_free_nodes(assigned, seg_of, marker_outputs, graph_outputs, nodes) -> None:
+    """Move nodes that read no marker (weight transposes, mask arithmetic) into the first segment that reads
+    them, instead of segment 0: fewer values cross the cuts."""
+    free = {id(n) for n in assigned.get(0, [])}
+    marker_inputs = {m.input[0] for m in marker_outputs.values()}
+    consumers: dict[str, list[int]] = {}
+    for level, group in assigned.items():
+        for node in group:
+            for name in node.input:
+                consumers.setdefault(name, []).append(level)
+    pinned = marker_inputs | set(graph_outputs)
+    for node in reversed(list(nodes)):
+        if id(node) not in free or any(o in pinned for o in node.output):
+            continue
+        levels = [lvl for o in node.output for lvl in consumers.get(o, [])]
+        target = min(levels) if levels else 0
+        if target > 0:
+            assigned[0].remove(node)
+            assigned.setdefault(target, []).append(node)
+            for o in node.output:
+                seg_of[o] = target
+            for name in node.input:
+                consumers.setdefault(name, []).append(target)
+    for level in assigned:  # keep topological order inside each segment
+        order = {id(n): i for i, n in enumerate(nodes)}
+        assigned[level].sort(key=lambda n: order[id(n)])
+
+
+def _segment(index, nodes, consts, constants, params, frozen, types, readers, model, trained) -> Segment:
     produced = {out for node in nodes for out in node.output}
     read = []
     for node in nodes:
@@ -204,8 +245,8 @@ def _segment(index, nodes, consts, constants, params, frozen, types, readers, mo
     )
     opsets = [o for o in model.opset_import if o.domain != DOMAIN]
     forward = helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
-    grad_inputs = [n for n in inputs if _is_float(types[n])]
-    upstream = [n for n in outputs if _is_float(types[n])]
+    grad_inputs = [n for n in inputs if _is_float(types[n]) and n in trained]
+    upstream = [n for n in outputs if _is_float(types[n]) and n in trained]
     segment = Segment(index, forward, None, inputs, outputs, seg_params, seg_frozen, grad_inputs, upstream)
     if upstream and (seg_params or grad_inputs):
         segment.backward, segment.grad_inputs = _backward(forward, types, upstream, seg_params, grad_inputs)
