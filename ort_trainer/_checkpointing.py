@@ -130,7 +130,7 @@ def _load_local(
         sections = _own_sections(trainer, {k: reader.read(k) for k in _SECTION_KEYS if k in reader.keys()})
         user_dict = _decode(sections[K.USER_DICT_KEY], allow_pickle, reader.path)
         undo = _state.load_stateful(stateful, sections[K.STATEFUL_KEY], str(reader.path))
-        if trainer._engine is None or trainer._engine.zero is not None:
+        if trainer._engine is None or trainer._engine.zero is not None or getattr(trainer, "_horizontal", None):
             tree = reader.read()
             for key in _SECTION_KEYS:
                 tree.pop(key, None)

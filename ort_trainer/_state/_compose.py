@@ -64,6 +64,9 @@ def _legacy_state(trainer: StateOwner, copy_tensors: bool, full: bool) -> dict[s
         state[K.OPTIMIZER_KEY] = store.optimizer.state_dict(copy=copy_tensors)
         if store.zero is not None:
             state[K.PARTITION_INFO_KEY] = store.zero.partition_info()
+    horizontal = getattr(trainer, "_horizontal", None)
+    if horizontal is not None:  # Megatron: this rank's slices of the split weights (legacy partition_info)
+        state[K.PARTITION_INFO_KEY] = horizontal.combined_partition_info(state.get(K.PARTITION_INFO_KEY, {}))
     state[K.TRAINER_OPTIONS_KEY] = _trainer_options(trainer, single=full)
     state[K.TRAIN_STEP_INFO_KEY] = trainer._train_step_info.state_dict()
     if trainer.options.lr_scheduler is not None:

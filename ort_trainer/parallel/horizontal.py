@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer.checkpoint import PartitionInfo
+from ort_trainer.checkpoint.format import _schema as K
 
 from .groups import DataParallelView, Grid
 from .plan import find_blocks
@@ -93,8 +94,56 @@ class HorizontalParallel:
             for name, spec in self.specs.items()
         }
 
-    def spec(self, name: str) -> PartitionSpec | None:
-        return self.specs.get(name)
+    def combined_partition_info(self, zero_info: Mapping[str, dict]) -> dict[str, dict]:
+        """This rank's ``partition_info``: Megatron entries, with the ZeRO ``offset`` within the slice where a
+        ZeRO range cuts a split weight (the layout ``checkpoint.sets.megatron.partition_grid`` writes)."""
+        fused = sorted(name for name, spec in self.specs.items() if spec.stride > 1)
+        if fused:
+            raise NotImplementedError(
+                f"cannot describe the slices of fused weights {fused} in the legacy partition_info: each rank "
+                "holds its share of Q, K and V side by side, so concatenating the rank slices (what aggregation "
+                "does) would scramble them. Checkpoints of horizontal-parallel runs need separate Q/K/V layers "
+                "(BERT style); state_dict(pytorch_format=True) still gives this rank's slices"
+            )
+        infos = {name: PartitionInfo.from_tree(tree) for name, tree in zero_info.items()}
+        for name, spec in self.specs.items():
+            piece = infos.get(name)
+            infos[name] = PartitionInfo(
+                original_dim=spec.full_shape,
+                megatron_row_partition=spec.row_partition_flag,
+                offset=None if piece is None else piece.offset,
+            )
+        return {name: info.to_tree() for name, info in infos.items()}
+
+    def localize(self, state: Mapping, *, pytorch_format: bool) -> dict:
+        """A loaded state with full-shaped split weights (and their moments) cut to this rank's slices.
+
+        Entries that already have the slice's shape (a state saved by this same rank) are kept, so a
+        full (aggregated, or single-process) state and a rank's own state both load.
+        """
+        state = dict(state)
+        if pytorch_format:
+            return {name: self._cut(name, value) for name, value in state.items()}
+        model = state.get(K.MODEL_KEY)
+        if isinstance(model, Mapping) and isinstance(model.get(K.FULL_PRECISION_KEY), Mapping):
+            weights = {n: self._cut(n, v) for n, v in model[K.FULL_PRECISION_KEY].items()}
+            state[K.MODEL_KEY] = {**model, K.FULL_PRECISION_KEY: weights}
+        optimizer = state.get(K.OPTIMIZER_KEY)
+        if isinstance(optimizer, Mapping):
+            state[K.OPTIMIZER_KEY] = {
+                n: {k: self._cut(n, v) if k in K.SHARDED_OPTIMIZER_KEYS else v for k, v in e.items()}
+                if isinstance(e, Mapping)
+                else e
+                for n, e in optimizer.items()
+            }
+        state.pop(K.PARTITION_INFO_KEY, None)
+        return state
+
+    def _cut(self, name: str, value):
+        spec = self.specs.get(name)
+        if spec is None or not isinstance(value, torch.Tensor) or tuple(value.shape) != spec.full_shape:
+            return value
+        return spec.take(value, self.grid.horizontal, self.grid.horizontal_rank)
 
 
 def _check_supported(model, options, optim_config) -> None:

@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--sgd", action="store_true")
     parser.add_argument("--eps", type=float, default=1e-6)
     parser.add_argument("--clip", type=float, default=0.05)
+    parser.add_argument("--start", type=int, default=0, help="first batch (after --load)")
+    parser.add_argument("--load", nargs="*", help="checkpoint files (or a manifest) to load before training")
+    parser.add_argument("--save", help="save a checkpoint at the end; '{rank}' is filled in (one file per rank)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -59,11 +62,15 @@ def main() -> None:
     }
     config = optim.SGDConfig(lr=0.5) if args.sgd else optim.AdamConfig(lr=0.01, lambda_coef=0.01, max_norm_clip=args.clip, epsilon=args.eps)
     trainer = ORTTrainer(model, desc, config, loss_fn=loss_fn, options=options)
+    if args.load:
+        trainer.load_checkpoint(*args.load)
     replicas, replica = world // args.h, rank // args.h
     losses = []
-    for batch in batches(args.model, args.steps):
+    for batch in batches(args.model, args.start + args.steps)[args.start :]:
         mine = [t.chunk(replicas)[replica] for t in batch]
         losses.append(float(trainer.train_step(*mine)))
+    if args.save:
+        trainer.save_checkpoint(args.save.format(rank=rank), overwrite=True)
     losses = torch.tensor(losses)
     if world > 1:  # the global batch's loss: the mean over replicas (horizontal ranks agree on theirs)
         dist.all_reduce(losses)
