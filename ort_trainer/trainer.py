@@ -83,6 +83,8 @@ class ORTTrainer:
                 "tensors, which ZeRO splits across ranks; use AdamConfig or SGDConfig, or zero stage 0"
             )
         dist_options = self.options.distributed
+        if dist_options.horizontal_parallel_size > 1:  # before any process group exists
+            HorizontalParallel.check_supported(model, self.options, optim_config)
         self._dist = (
             DistributedContext(dist_options.world_rank, dist_options.world_size, self._device.torch_device)
             if dist_options.world_size > 1
@@ -182,6 +184,8 @@ class ORTTrainer:
         the label) and gives the same outputs as ``eval_step``.
         """
         target = _check_output_path(path)
+        if self._horizontal is not None:
+            raise NotImplementedError("save_as_onnx with horizontal_parallel_size > 1: each rank holds a slice")
         engine = self._require_engine("save_as_onnx")
         onnx.save(_state.eval_model_with_weights(engine), os.fspath(target))
 

@@ -25,7 +25,7 @@ from .groups import DataParallelView, Grid
 from .plan import find_blocks
 from .runner import ParallelSession
 from .segments import split_graph
-from .shard import PartitionSpec, shard_model
+from .shard import shard_model
 
 __all__ = ["HorizontalParallel"]
 
@@ -36,7 +36,7 @@ class HorizontalParallel:
     """The horizontal (Megatron) side of one rank: grid, sliced model, partition specs."""
 
     def __init__(self, model, options, optim_config, device: torch.device):
-        _check_supported(model, options, optim_config)
+        self.check_supported(model, options, optim_config)
         dist_options = options.distributed
         h = dist_options.horizontal_parallel_size
         self.grid = Grid(dist_options.world_rank, dist_options.world_size, h)
@@ -55,13 +55,20 @@ class HorizontalParallel:
             self.grid.data_parallel, len(blocks),
         )  # fmt: skip
 
+    @staticmethod
+    def check_supported(model, options, optim_config) -> None:
+        """NotImplementedError for what horizontal parallel training does not do (checked before any group)."""
+        _check_supported(model, options, optim_config)
+
     def build_session(
         self, forward: onnx.ModelProto, trainable: Sequence[str], frozen: Sequence[str], store, request
     ) -> ParallelSession:
         """The segments of this rank's forward graph, run over the store's buffers."""
         loss = request.desc.output_names[request.desc.loss_index]
         graph = split_graph(forward, trainable, frozen, loss)
-        logger.info("horizontal parallel: %d segments, %d communication points", len(graph.segments), len(graph.markers))
+        logger.info(
+            "horizontal parallel: %d segments, %d communication points", len(graph.segments), len(graph.markers)
+        )
         return ParallelSession(
             graph,
             {n: store.param_views[n] for n in trainable},

@@ -67,9 +67,15 @@ def _detect(modules: dict[str, torch.nn.Module]) -> list[SplitBlock]:
         ):
             columns = tuple(f"{prefix}self.{n}" for n in ("query", "key", "value"))
             blocks.append(SplitBlock(columns, f"{prefix}output.dense", (), f"{prefix}self"))
-        elif hasattr(getattr(module, "intermediate", None), "dense") and hasattr(getattr(module, "output", None), "dense"):
+        elif hasattr(getattr(module, "intermediate", None), "dense") and hasattr(
+            getattr(module, "output", None), "dense"
+        ):
             blocks.append(SplitBlock((f"{prefix}intermediate.dense",), f"{prefix}output.dense"))
-        elif kind != "Sequential" and _is_linear(getattr(module, "fc1", None)) and _is_linear(getattr(module, "fc2", None)):
+        elif (
+            kind != "Sequential"
+            and _is_linear(getattr(module, "fc1", None))
+            and _is_linear(getattr(module, "fc2", None))
+        ):
             blocks.append(SplitBlock((f"{prefix}fc1",), f"{prefix}fc2"))
     return blocks
 

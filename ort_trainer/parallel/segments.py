@@ -66,9 +66,7 @@ class SegmentedGraph:
     graph_outputs: list[str]
 
 
-def split_graph(
-    forward: onnx.ModelProto, trainable: Sequence[str], frozen: Sequence[str], loss: str
-) -> SegmentedGraph:
+def split_graph(forward: onnx.ModelProto, trainable: Sequence[str], frozen: Sequence[str], loss: str) -> SegmentedGraph:
     """Cut ``forward`` (parameters as initializers, markers as custom nodes) into segments with their graphs."""
     model = copy.deepcopy(forward)
     markers = _merge_copy_markers(model)
@@ -97,7 +95,9 @@ def split_graph(
         assigned.setdefault(level, []).append(node)
     _sink_free_nodes(assigned, seg_of, marker_outputs, [o.name for o in graph.output], graph.node)
     found = [
-        Marker(n.op_type, n.input[0], n.output[0], seg_of.get(n.input[0], 0) + 1) for n in graph.node if n.domain == DOMAIN
+        Marker(n.op_type, n.input[0], n.output[0], seg_of.get(n.input[0], 0) + 1)
+        for n in graph.node
+        if n.domain == DOMAIN
     ]
     _check_dropout(graph.node, constants, consts)
     graph_inputs = [i.name for i in graph.input if i.name not in constants]
@@ -154,9 +154,11 @@ def _check_dropout(nodes, constants, consts) -> None:
         if node.op_type == "Dropout" and len(node.input) > 1 and node.input[1]:
             ratio = constants.get(node.input[1])
             value = consts.get(node.input[1])
-            array = onnx.numpy_helper.to_array(ratio if ratio is not None else value.attribute[0].t) if (
-                ratio is not None or value is not None
-            ) else None
+            array = (
+                onnx.numpy_helper.to_array(ratio if ratio is not None else value.attribute[0].t)
+                if (ratio is not None or value is not None)
+                else None
+            )
             if array is None or float(array) != 0.0:
                 raise ValueError(
                     f"dropout node {node.name!r} has a non-zero (or unknown) ratio: horizontal parallel training "

@@ -122,7 +122,8 @@ def _check_block(block: SplitBlock, modules, h: int) -> None:
         if out % (h * block.stride(name)):
             raise ValueError(
                 f"cannot split {block.describe()}: {name!r} has {out} outputs, not divisible by "
-                f"horizontal_parallel_size={h}" + (f" x {block.stride(name)} fused parts" if block.stride(name) > 1 else "")
+                f"horizontal_parallel_size={h}"
+                + (f" x {block.stride(name)} fused parts" if block.stride(name) > 1 else "")
             )
     row = modules[block.row]
     width = row.weight.shape[0 if not isinstance(row, torch.nn.Linear) else 1]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer import ORTTrainer, checkpoint, optim
-from tests.hf_tiny import HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, GPT2, classifier_batch, lm_batch, token_loss
+from tests.hf_tiny import GPT2, HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, classifier_batch, lm_batch, token_loss
 from tests.models import MLP, MLP_DESC, mlp_batches
 
 
@@ -60,7 +60,11 @@ def main() -> None:
         },
         "batch": {"gradient_accumulation_steps": args.accumulation},
     }
-    config = optim.SGDConfig(lr=0.5) if args.sgd else optim.AdamConfig(lr=0.01, lambda_coef=0.01, max_norm_clip=args.clip, epsilon=args.eps)
+    config = (
+        optim.SGDConfig(lr=0.5)
+        if args.sgd
+        else optim.AdamConfig(lr=0.01, lambda_coef=0.01, max_norm_clip=args.clip, epsilon=args.eps)
+    )
     trainer = ORTTrainer(model, desc, config, loss_fn=loss_fn, options=options)
     if args.load:
         trainer.load_checkpoint(*args.load)
