@@ -42,7 +42,7 @@ class HorizontalParallel:
         self.grid = Grid(dist_options.world_rank, dist_options.world_size, h)
         full = copy.deepcopy(model)
         for tensor in full.state_dict().values():  # every rank slices rank 0's model
-            if isinstance(tensor, torch.Tensor) and tensor.numel():
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.numel():
                 dist.broadcast(tensor.data, 0)
         blocks = find_blocks(full, tuple(dist_options.horizontal_parallel_blocks))
         self.blocks = blocks
