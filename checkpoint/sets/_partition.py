@@ -62,6 +62,7 @@ class TensorItem:
     dtype: torch.dtype
     axis: int | None  # Megatron concat axis; None: every column holds the whole tensor
     columns: tuple[Copies | Pieces, ...]
+    stride: int = 1  # fused Megatron slices: each column holds `stride` blocks (partition_info "stride")
 
 
 @dataclass(frozen=True)
@@ -307,8 +308,8 @@ class _Planner:
                 return []
             local = shape
         else:
-            shape, flag = info
-            local, axis = self._local_shape(name, shape, flag)
+            shape, flag, stride = info
+            local, axis = self._local_shape(name, shape, flag, stride)
             if local is None:
                 return []
         pieces = split and (key[0] == S.OPTIMIZER_KEY or self.partitioned_weights)
@@ -317,14 +318,14 @@ class _Planner:
             return []
         if axis is None and all(isinstance(c, Copies) for c in columns):
             columns = [Copies(tuple(sorted(leaves)))]
-        return [TensorItem(key, shape, dtype, axis, tuple(columns))]
+        return [TensorItem(key, shape, dtype, axis, tuple(columns), stride if axis is not None else 1)]
 
-    def _local_shape(self, name: str, shape: tuple[int, ...], flag: int) -> tuple[Any, int | None]:
+    def _local_shape(self, name: str, shape: tuple[int, ...], flag: int, stride: int = 1) -> tuple[Any, int | None]:
         """(shape held by one h column, Megatron axis or None); (None, None) after a problem."""
         if flag < 0:
             return shape, None
         axis = len(shape) - 1 if flag == 0 else 0
-        if not shape or shape[axis] % self.H:
+        if not shape or shape[axis] % (self.H * stride):
             self.problems.append(
                 f"'{name}': Megatron partition (megatron_row_partition={flag}) of original_dim {list(shape)} "
                 f"cannot be split into horizontal_parallel_size={self.H} parts"
@@ -344,8 +345,8 @@ class _Planner:
             return None
         agreed = self._consensus(
             (S.PARTITION_INFO_KEY, name),
-            {r: (e.original_dim, e.megatron_row_partition) for r, e in entries.items()},
-            "(original_dim, megatron_row_partition)",
+            {r: (e.original_dim, e.megatron_row_partition, e.stride or 1) for r, e in entries.items()},
+            "(original_dim, megatron_row_partition, stride)",
         )
         if agreed is None:
             return False

@@ -103,15 +103,8 @@ class HorizontalParallel:
 
     def combined_partition_info(self, zero_info: Mapping[str, dict]) -> dict[str, dict]:
         """This rank's ``partition_info``: Megatron entries, with the ZeRO ``offset`` within the slice where a
-        ZeRO range cuts a split weight (the layout ``checkpoint.sets.megatron.partition_grid`` writes)."""
-        fused = sorted(name for name, spec in self.specs.items() if spec.stride > 1)
-        if fused:
-            raise NotImplementedError(
-                f"cannot describe the slices of fused weights {fused} in the legacy partition_info: each rank "
-                "holds its share of Q, K and V side by side, so concatenating the rank slices (what aggregation "
-                "does) would scramble them. Checkpoints of horizontal-parallel runs need separate Q/K/V layers "
-                "(BERT style); state_dict(pytorch_format=True) still gives this rank's slices"
-            )
+        ZeRO range cuts a split weight (the layout ``checkpoint.sets.megatron.partition_grid`` writes), and our
+        ``stride`` for fused weights (GPT-2's Q|K|V: each slice holds its share of every part)."""
         infos = {name: PartitionInfo.from_tree(tree) for name, tree in zero_info.items()}
         for name, spec in self.specs.items():
             piece = infos.get(name)
@@ -119,6 +112,7 @@ class HorizontalParallel:
                 original_dim=spec.full_shape,
                 megatron_row_partition=spec.row_partition_flag,
                 offset=None if piece is None else piece.offset,
+                stride=spec.stride if spec.stride > 1 else None,
             )
         return {name: info.to_tree() for name, info in infos.items()}
 

@@ -99,11 +99,17 @@ def test_bert(tmp_path, world):
 
 @pytest.mark.faults
 @pytest.mark.processes
-def test_sgd_gpt2_h2_and_full_checkpoint_loaded_into_slices(tmp_path):
-    """A single-process checkpoint loads into h=2 (each rank cuts its slices, fused QKV included)."""
-    saved = tmp_path / "single.ortcp"
+def test_gpt2_checkpoints_between_one_process_and_h2(tmp_path):
+    """Fused Q|K|V slices save with our partition_info stride, aggregate and load both ways."""
     args = ("--model", "gpt2", "--sgd")
-    run(1, tmp_path / "first.h5", *args, "--steps", 3, "--save", saved)
     reference = run(1, tmp_path / "ref.h5", *args, "--steps", 6)
-    resumed = run(2, tmp_path / "h2.h5", *args, "--h", 2, "--start", 3, "--steps", 3, "--load", saved)
-    assert_same_run(resumed, reference, steps=3)
+    single, shared = tmp_path / "single.ortcp", tmp_path / "h2.ortcp"
+    run(1, tmp_path / "first.h5", *args, "--steps", 3, "--save", single)
+    first = run(2, tmp_path / "h2.h5", *args, "--h", 2, "--steps", 3, "--save", shared)
+    manifest = f"{shared}.manifest.json"
+    full = checkpoint.aggregate_checkpoints(manifest)["model"]["full_precision"]
+    assert max_diff(full, {k: first["weights"][k] for k in full}) == 0.0
+    into_one = run(1, tmp_path / "one.h5", *args, "--start", 3, "--steps", 3, "--load", manifest)
+    assert_same_run(into_one, reference, steps=3)
+    into_h2 = run(2, tmp_path / "two.h5", *args, "--h", 2, "--start", 3, "--steps", 3, "--load", single)
+    assert_same_run(into_h2, reference, steps=3)

@@ -84,3 +84,29 @@ def test_what_h2_does_not_do_is_refused_before_any_process_group():
         zero2 = {"distributed": {**options["distributed"], "deepspeed_zero_optimization": {"stage": 2}}}
         ORTTrainer(MLP(), MLP_DESC, optim.AdamConfig(), loss_fn=loss, options=zero2)
     assert not torch.distributed.is_initialized()
+
+
+def test_fused_slices_with_stride_aggregate_to_the_full_weight():
+    """Our partition_info ``stride``: GPT-2's Q|K|V slices (whole heads of each part) join back on aggregation."""
+    from ort_trainer import checkpoint
+    from ort_trainer.checkpoint.sets import megatron
+
+    torch.manual_seed(0)
+    weight, other = torch.randn(4, 12), torch.randn(3)
+    full = {
+        "model": {"full_precision": {"attn.weight": weight, "ln.bias": other}},
+        "optimizer": {},
+        "trainer_options": {"mixed_precision": False, "zero_stage": 0, "world_rank": 0, "world_size": 1,
+                            "optimizer_name": "AdamOptimizer", "data_parallel_size": 1, "horizontal_parallel_size": 1},
+        "train_step_info": {"step": 1, "optimization_step": 1},
+    }  # fmt: skip
+    ranks = megatron.partition(full, 2, column=["attn.weight"])
+    spec = PartitionSpec((4, 12), axis=1, stride=3)
+    for r, state in enumerate(ranks):
+        state["model"]["full_precision"]["attn.weight"] = spec.take(weight, 2, r)
+        state["partition_info"]["attn.weight"]["stride"] = 3
+    joined = checkpoint.aggregate_states(ranks)["model"]["full_precision"]
+    assert torch.equal(joined["attn.weight"], weight) and torch.equal(joined["ln.bias"], other)
+    ranks[1]["partition_info"]["attn.weight"]["stride"] = 1
+    with pytest.raises(ValueError, match="stride"):
+        checkpoint.aggregate_states(ranks)
