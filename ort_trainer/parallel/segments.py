@@ -150,21 +150,22 @@ def _value_types(model: onnx.ModelProto, markers: Iterable[onnx.NodeProto]) -> d
 
 
 def _check_dropout(nodes, constants, consts) -> None:
+    """Refuse dropout that is on: the backward graph recomputes the forward, which would draw another mask."""
     for node in nodes:
-        if node.op_type == "Dropout" and len(node.input) > 1 and node.input[1]:
-            ratio = constants.get(node.input[1])
-            value = consts.get(node.input[1])
-            array = (
-                onnx.numpy_helper.to_array(ratio if ratio is not None else value.attribute[0].t)
-                if (ratio is not None or value is not None)
-                else None
+        if node.op_type != "Dropout" or len(node.input) < 3 or not node.input[2]:
+            continue  # no training_mode input: inference, identity
+        ratio = 0.5  # ONNX default
+        if len(node.input) > 1 and node.input[1]:
+            tensor = constants.get(node.input[1])
+            if tensor is None and node.input[1] in consts:
+                tensor = consts[node.input[1]].attribute[0].t
+            ratio = float(onnx.numpy_helper.to_array(tensor)) if tensor is not None else None
+        if ratio != 0.0:
+            raise ValueError(
+                f"dropout node {node.name!r} has a non-zero (or unknown) ratio: horizontal parallel training "
+                "recomputes each segment's forward in its backward, which would draw a different mask; set "
+                "the model's dropout probabilities to 0"
             )
-            if array is None or float(array) != 0.0:
-                raise ValueError(
-                    f"dropout node {node.name!r} has a non-zero (or unknown) ratio: horizontal parallel training "
-                    "recomputes each segment's forward in its backward, which would draw a different mask; set "
-                    "the model's dropout probabilities to 0"
-                )
 
 
 def _readers(assigned, markers, graph_outputs, seg_of, marker_outputs) -> dict[str, set[int]]:

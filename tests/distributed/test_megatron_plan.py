@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ort_trainer.checkpoint.sets import megatron
 
-from ort_trainer import ORTTrainer, ORTTrainerOptions, optim
+from ort_trainer import ORTTrainer, ORTTrainerOptions, checkpoint, optim
 from ort_trainer.parallel import PartitionSpec, SplitBlock, find_blocks, shard_model
 from tests.hf_tiny import GPT2, BertClassifier
 from tests.models import MLP, MLP_DESC, TinyLM
@@ -88,9 +89,6 @@ def test_what_h2_does_not_do_is_refused_before_any_process_group():
 
 def test_fused_slices_with_stride_aggregate_to_the_full_weight():
     """Our partition_info ``stride``: GPT-2's Q|K|V slices (whole heads of each part) join back on aggregation."""
-    from ort_trainer import checkpoint
-    from ort_trainer.checkpoint.sets import megatron
-
     torch.manual_seed(0)
     weight, other = torch.randn(4, 12), torch.randn(3)
     full = {
