@@ -343,11 +343,14 @@ class _Planner:
         entries = {r: p[name] for r, p in enumerate(self.pinfo) if name in p}
         if not entries:
             return None
-        agreed = self._consensus(
-            (S.PARTITION_INFO_KEY, name),
-            {r: (e.original_dim, e.megatron_row_partition, e.stride or 1) for r, e in entries.items()},
-            "(original_dim, megatron_row_partition, stride)",
-        )
+        if all(e.stride is None for e in entries.values()):  # legacy entries (no stride: plain slices)
+            values = {r: (e.original_dim, e.megatron_row_partition) for r, e in entries.items()}
+            agreed = self._consensus((S.PARTITION_INFO_KEY, name), values, "(original_dim, megatron_row_partition)")
+            agreed = None if agreed is None else (*agreed, 1)
+        else:
+            values = {r: (e.original_dim, e.megatron_row_partition, e.stride or 1) for r, e in entries.items()}
+            what = "(original_dim, megatron_row_partition, stride)"
+            agreed = self._consensus((S.PARTITION_INFO_KEY, name), values, what)
         if agreed is None:
             return False
         missing = [r for r in range(len(self.flats)) if r not in entries]
