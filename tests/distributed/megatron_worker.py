@@ -73,12 +73,15 @@ def main() -> None:
     for batch in batches(args.model, args.start + args.steps)[args.start :]:
         mine = [t.chunk(replicas)[replica] for t in batch]
         losses.append(float(trainer.train_step(*mine)))
+    evaluated = torch.tensor([float(trainer.eval_step(*[t.chunk(replicas)[replica] for t in batch]))])
     if args.save:
         trainer.save_checkpoint(args.save.format(rank=rank), overwrite=True)
     losses = torch.tensor(losses)
     if world > 1:  # the global batch's loss: the mean over replicas (horizontal ranks agree on theirs)
         dist.all_reduce(losses)
         losses /= world
+        dist.all_reduce(evaluated)
+        evaluated /= world
     weights = trainer.state_dict(pytorch_format=True)
     horizontal = trainer._horizontal
     if horizontal is not None:
@@ -87,7 +90,7 @@ def main() -> None:
             dist.all_gather(shards, weights[name].contiguous(), group=horizontal.grid.horizontal_group)
             weights[name] = spec.join(shards)
     if rank == 0:
-        checkpoint.save({"losses": losses, "weights": weights}, args.out, overwrite=True)
+        checkpoint.save({"losses": losses, "eval": evaluated, "weights": weights}, args.out, overwrite=True)
     trainer.close()
 
 

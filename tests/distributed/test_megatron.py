@@ -35,6 +35,8 @@ def assert_same_run(result: dict, reference: dict, steps: int | None = None) -> 
     assert result["losses"].shape == losses.shape
     assert float((result["losses"] - losses).abs().max()) < TOL, (result["losses"], losses)
     assert max_diff(result["weights"], reference["weights"]) < TOL
+    if not steps and "eval" in reference:  # the same weights give the same eval loss on the last batch
+        assert float((result["eval"] - reference["eval"]).abs().max()) < TOL
 
 
 @pytest.mark.processes
