@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer import ORTTrainer, checkpoint, optim
-from tests.hf_tiny import GPT2, HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, classifier_batch, lm_batch, token_loss
 from tests.models import MLP, MLP_DESC, mlp_batches
 
 
@@ -22,6 +21,8 @@ def build(kind: str):
     torch.manual_seed(0)
     if kind == "mlp":
         return MLP(hidden=16), MLP_DESC, torch.nn.functional.cross_entropy
+    from tests.hf_tiny import GPT2, HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, token_loss  # transformers: slow import
+
     if kind == "gpt2":
         return GPT2(layers=2, d_model=16), HF_DESC, token_loss
     return BertClassifier(layers=2, d_model=16), HF_CLASSIFIER_DESC, token_loss
@@ -30,6 +31,8 @@ def build(kind: str):
 def batches(kind: str, steps: int):
     if kind == "mlp":
         return mlp_batches(steps, batch=8)
+    from tests.hf_tiny import classifier_batch, lm_batch
+
     make = lm_batch if kind == "gpt2" else classifier_batch
     return [make(batch=4, seed=s) for s in range(steps)]
 
