@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer.checkpoint import PartitionInfo
-from ort_trainer.checkpoint.format import _schema as K
+from ort_trainer.checkpoint.format import schema as K
 
 from .groups import DataParallelView, Grid
 from .plan import find_blocks

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
-from ort_trainer._native_logs import quiet_native_info_logs
+from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.engine._session import DeviceSpec, to_ortvalue
 
 from .markers import COPY_OP

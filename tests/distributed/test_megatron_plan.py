@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ort_trainer.checkpoint.sets import megatron
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions, checkpoint, optim
+from ort_trainer.checkpoint.sets import megatron
 from ort_trainer.parallel import PartitionSpec, SplitBlock, find_blocks, shard_model
 from tests.hf_tiny import GPT2, BertClassifier
 from tests.models import MLP, MLP_DESC, TinyLM
