@@ -61,6 +61,7 @@ class TensorItem:
     dtype_name: str  # 'float32': planning needs no torch (verify); ``dtype`` resolves it for assembly
     axis: int | None  # Megatron concat axis; None: every column holds the whole tensor
     columns: tuple[Copies | Pieces, ...]
+    stride: int = 1  # fused Megatron slices: each column holds `stride` blocks (partition_info "stride")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -310,8 +311,8 @@ class _Planner:
                 return []
             local = shape
         else:
-            shape, flag = info
-            local, axis = self._local_shape(name, shape, flag)
+            shape, flag, stride = info
+            local, axis = self._local_shape(name, shape, flag, stride)
             if local is None:
                 return []
         pieces = split and (key[0] == S.OPTIMIZER_KEY or self.partitioned_weights)
@@ -320,14 +321,14 @@ class _Planner:
             return []
         if axis is None and all(isinstance(c, Copies) for c in columns):
             columns = [Copies(tuple(sorted(leaves)))]
-        return [TensorItem(key, shape, dtype, axis, tuple(columns))]
+        return [TensorItem(key, shape, dtype, axis, tuple(columns), stride if axis is not None else 1)]
 
-    def _local_shape(self, name: str, shape: tuple[int, ...], flag: int) -> tuple[Any, int | None]:
+    def _local_shape(self, name: str, shape: tuple[int, ...], flag: int, stride: int = 1) -> tuple[Any, int | None]:
         """(shape held by one h column, Megatron axis or None); (None, None) after a problem."""
         if flag < 0:
             return shape, None
         axis = len(shape) - 1 if flag == 0 else 0
-        if not shape or shape[axis] % self.H:
+        if not shape or shape[axis] % (self.H * stride):
             self.problems.append(
                 f"'{name}': Megatron partition (megatron_row_partition={flag}) of original_dim {list(shape)} "
                 f"cannot be split into horizontal_parallel_size={self.H} parts"
@@ -345,11 +346,14 @@ class _Planner:
         entries = {r: p[name] for r, p in enumerate(self.pinfo) if name in p}
         if not entries:
             return None
-        agreed = self._consensus(
-            (S.PARTITION_INFO_KEY, name),
-            {r: (e.original_dim, e.megatron_row_partition) for r, e in entries.items()},
-            "(original_dim, megatron_row_partition)",
-        )
+        if all(e.stride is None for e in entries.values()):  # legacy entries (no stride: plain slices)
+            values = {r: (e.original_dim, e.megatron_row_partition) for r, e in entries.items()}
+            agreed = self._consensus((S.PARTITION_INFO_KEY, name), values, "(original_dim, megatron_row_partition)")
+            agreed = None if agreed is None else (*agreed, 1)
+        else:
+            values = {r: (e.original_dim, e.megatron_row_partition, e.stride or 1) for r, e in entries.items()}
+            what = "(original_dim, megatron_row_partition, stride)"
+            agreed = self._consensus((S.PARTITION_INFO_KEY, name), values, what)
         if agreed is None:
             return False
         missing = [r for r in range(len(self.flats)) if r not in entries]

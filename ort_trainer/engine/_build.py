@@ -113,6 +113,7 @@ class BuildRequest:
     extra_postprocess: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None  # _internal_use option
     zero_stage: int = 0
     mixed_precision: bool = False
+    horizontal: object | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
@@ -134,6 +135,8 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
             "check that the loss depends on them"
         )
     expand_where_inputs(forward, set(trainable))  # ORT's Where gradient ignores broadcasting
+    if request.horizontal is not None:
+        return _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs)
     train_model, eval_model, loss_scale_input = _training_graphs(request, forward, trainable, sorted(frozen))
     # No optimizer runs inside any graph (it runs in PyTorch over the flat buffers): the "training graph"
     # that ONNX Runtime runs is the gradient graph, so both debug paths receive it (docs/migrating.md).
@@ -162,6 +165,24 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
         bn_stats=bn_stats,
         zero_stage=request.zero_stage if store.dist is not None else 0,
         loss_scale_input=loss_scale_input,
+        unused_inputs=unused,
+        label_specs=label_specs,
+    )
+
+
+def _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs) -> Engine:
+    """Megatron: the graph cut into segments with collectives between them (ort_trainer.parallel)."""
+    store = request.store
+    store.optimizer.set_idle([name for name in store.layout.names if name not in set(trainable)])
+    session = request.horizontal.build_session(forward, trainable, sorted(frozen), store, request)
+    release_freed_memory()
+    return Engine(
+        store=store,
+        session=session,
+        eval_model=forward,
+        input_dtypes=tuple(t.dtype for t in sample_inputs),
+        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
+        zero_stage=request.zero_stage if store.dist is not None else 0,
         unused_inputs=unused,
         label_specs=label_specs,
     )

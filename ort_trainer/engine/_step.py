@@ -108,6 +108,8 @@ def _update(state: TrainerState, engine: Engine, lr: float, accumulation: int, s
                 norm = math.sqrt(ctx.sum_scalar(float(own.double().square().sum())))
         else:
             ctx.all_reduce_(engine.padded_grads)
+    if norm is None and clip and state.horizontal is not None:  # split weights: the norm spans the group
+        norm = state.horizontal.grad_norm(engine.grad_views)
     if norm is None and (scaler is not None or (clip and engine.zero is not None)):
         norm = float(torch.linalg.vector_norm(engine.grads))
     if norm is not None and not math.isfinite(norm):
