@@ -43,6 +43,8 @@ setup(
         # checkpoints at fsspec URLs (memory://, file://, ...); s3:// needs s3fs too
         "fsspec": ["fsspec"],
         "s3": ["fsspec", "s3fs"],
+        # ort_trainer.hf.Trainer: transformers.Trainer on ONNX Runtime (docs/hf.md)
+        "hf": ["transformers>=5,<6", "accelerate>=1.1"],
     },
     entry_points={"console_scripts": ["ort-trainer-ckpt=ort_trainer.checkpoint.__main__:main"]},
 )
