@@ -15,6 +15,7 @@ checkpoint scheduling, rotation, best-model tracking); a handful of hooks are re
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from ort_trainer import ORTTrainer, ORTTrainerOptions
 from . import _files
 from ._arguments import check_training_arguments
 from ._arguments import ort_options as _options_from
-from ._loss_module import MODEL_PREFIX, LossModule, describe_inputs, tensor_inputs
+from ._loss_module import MODEL_PREFIX, NUM_ITEMS, LossModule, describe_inputs, tensor_inputs
 from ._optimizer import GroupRates, OptimizerView, adam_config, parameter_groups
 
 __all__ = ["Trainer"]
@@ -116,7 +117,9 @@ class Trainer(transformers.Trainer):
         feeds = tensor_inputs(inputs, num_items_in_batch)
         ort = self._ort_for(feeds, accumulation if self._loss_is_scaled(num_items_in_batch) else 1)
         ort.optim_config.lr = self._optimizer_view().learning_rate()  # HF's scheduler set it for this update
-        loss = ort.train_step(**feeds)
+        with warnings.catch_warnings():  # a compute_loss that ignores num_items_in_batch is fine
+            warnings.filterwarnings("ignore", message=rf"model_desc inputs \['{NUM_ITEMS}'\] are not used")
+            loss = ort.train_step(**feeds)
         return loss.detach() / accumulation
 
     def prediction_step(

@@ -21,7 +21,7 @@ def _make(tmp_path, model=None, **kwargs):
         ({"optim": "sgd"}, "TrainingArguments.optim='sgd'"),
         ({"optim": "adafactor"}, "TrainingArguments.optim='adafactor'"),
         ({"torch_compile": True}, "TrainingArguments.torch_compile=True"),
-        ({"gradient_checkpointing": True}, "TrainingArguments.gradient_checkpointing=True"),
+        ({"activation_checkpointing": True}, "TrainingArguments.activation_checkpointing=True"),
         ({"neftune_noise_alpha": 5.0}, "TrainingArguments.neftune_noise_alpha=5.0"),
         ({"auto_find_batch_size": True}, "TrainingArguments.auto_find_batch_size=True"),
         ({"optim_args": "foo=1"}, "TrainingArguments.optim_args='foo=1'"),
