@@ -7,7 +7,8 @@ The only change from a plain ``transformers.Trainer`` script is the import of ``
 ``ort_trainer.hf``. The text is samples/data/corpus.txt (bundled, see samples/data/README.md), read as
 bytes: a character-level model needs no tokenizer, so nothing is downloaded. The run logs, evaluates
 and checkpoints as HF does (OUT/checkpoint-N folders), resumes with --resume, and saves the final model
-with save_model(); the script then loads that folder with from_pretrained and checks it in PyTorch.
+with save_model(); the script then loads that folder with from_pretrained and evaluates it with
+transformers.Trainer on PyTorch.
 """
 
 import argparse
@@ -43,7 +44,8 @@ class Chunks(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         ids = self.tokens[i * CONTEXT : (i + 1) * CONTEXT]
-        return {"input_ids": ids, "labels": ids}
+        # attention_mask: without it GPT-2 looks for packed sequences with torch.diff, which ONNX cannot export
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 text = DATA.read_bytes()
@@ -83,11 +85,9 @@ losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entr
 eval_loss = trainer.evaluate()["eval_loss"]
 trainer.save_model(OUT / "final")
 
-# the saved folder is a normal HF model: PyTorch gets the same held-out loss
-reloaded = transformers.GPT2LMHeadModel.from_pretrained(OUT / "final").eval()
-with torch.no_grad():
-    batch = torch.stack([eval_data[i]["input_ids"] for i in range(len(eval_data))])
-    torch_loss = sum(reloaded(input_ids=b, labels=b).loss.item() * len(b) for b in batch.split(16)) / len(batch)
+# the saved folder is a normal HF model: transformers' own Trainer on PyTorch gets the same held-out loss
+reloaded = transformers.GPT2LMHeadModel.from_pretrained(OUT / "final")
+torch_loss = transformers.Trainer(model=reloaded, args=args, eval_dataset=eval_data).evaluate()["eval_loss"]
 print(f"ONNX Runtime eval loss {eval_loss:.5f}, PyTorch (from_pretrained) {torch_loss:.5f}")
 print(
     f"summary: steps={trainer.state.global_step} first_train_loss={losses[0]:.4f} last_train_loss={losses[-1]:.4f} "
