@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-faults demo lint bench clean
+.PHONY: test test-faults test-hf demo lint bench clean
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +16,14 @@ $(STAMP): requirements.txt setup.py
 # The main suite (< 10 min on 2 cores). Long fault-injection suites are marked `faults` and run by
 # `make test-faults` (CI runs both).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not faults" tests
+	$(PY) -m pytest -q -m "not faults and not hf_long" tests
 
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults tests
+
+# ort_trainer.hf.Trainer against transformers.Trainer: 2 ranks, the sample, more LR schedules (a few minutes)
+test-hf: $(STAMP)
+	$(PY) -m pytest -q -m hf_long tests
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py

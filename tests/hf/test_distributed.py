@@ -15,6 +15,7 @@ from tests.ranks import run_ranks
 
 
 @pytest.mark.processes
+@pytest.mark.hf_long
 def test_two_ranks_train_like_one_process_with_the_global_batch(tmp_path):
     run_ranks(2, ["-m", "tests.hf.ddp_worker", str(tmp_path / "ddp")], timeout_s=400)
     single = dict(OVERRIDES, per_device_train_batch_size=4, save_strategy="no")

@@ -21,7 +21,9 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(  # the first case runs in `make test`, the others in `make test-hf`
+    "case", [pytest.param(c, marks=() if c == "linear-accumulate" else pytest.mark.hf_long) for c in sorted(CASES)]
+)
 def test_training_equals_transformers_trainer(tmp_path, case):
     model = gpt2()
     evaluate = TokenData(8, seed=5)

@@ -27,6 +27,7 @@ def _number(name: str, text: str) -> float:
 
 
 @pytest.mark.processes
+@pytest.mark.hf_long
 def test_hf_trainer_sample_learns_saves_and_resumes(tmp_path):
     out = _sample(tmp_path, "--steps", "20")
     summary = next(line for line in out.splitlines() if line.startswith("summary:"))
