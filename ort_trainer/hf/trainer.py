@@ -138,6 +138,8 @@ class Trainer(transformers.Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """HF's ``train``; afterwards ``trainer.model`` holds the trained (or best) weights."""
+        if self.model_init is not None:  # HF builds a new model (and optimizer): a new ORTTrainer follows
+            self.ort_trainer, self._view, self._synced_step = None, None, 0
         output = super().train(*args, **kwargs)
         self._sync_model()
         return output

@@ -54,7 +54,8 @@ def test_checkpoints_rotate_and_resume_like_the_uninterrupted_run(tmp_path):
 def test_resume_needs_our_state_in_the_folder(tmp_path):
     folder = tmp_path / "checkpoint-2"
     gpt2().save_pretrained(folder)  # what transformers.Trainer leaves there, less its pickled optimizer
-    transformers.TrainerState(global_step=2, max_steps=3, train_batch_size=4).save_to_json(str(folder / "trainer_state.json"))
+    state = transformers.TrainerState(global_step=2, max_steps=3, train_batch_size=4)
+    state.save_to_json(str(folder / "trainer_state.json"))
     trainer = _trainer(gpt2(), arguments(tmp_path, max_steps=3))
     with pytest.raises(FileNotFoundError, match="ort_trainer.ortcp"):
         trainer.train(resume_from_checkpoint=str(folder))
