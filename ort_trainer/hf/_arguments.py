@@ -75,7 +75,7 @@ _OWNED = {
     ("utils", "grad_norm_clip"): "TrainingArguments.max_grad_norm",
     ("distributed", "world_rank"): "torchrun (TrainingArguments.process_index)",
     ("distributed", "world_size"): "torchrun (TrainingArguments.world_size)",
-    ("mixed_precision", "enabled"): "TrainingArguments.fp16",
+    ("mixed_precision",): "TrainingArguments.fp16 (mixed precision is not available through the HF Trainer yet)",
 }
 
 
@@ -103,6 +103,4 @@ def ort_options(args: Any, user: Mapping[str, Any] | None) -> dict[str, Any]:
         "utils": {"grad_norm_clip": args.max_grad_norm > 0},
         "distributed": {"world_rank": args.process_index, "world_size": args.world_size},
     }
-    if args.fp16:
-        options["mixed_precision"] = {"enabled": True}
     return _merge(options, user, "")

@@ -35,6 +35,13 @@ __all__ = ["Trainer"]
 
 logger = logging.getLogger(__name__)
 
+_FP16_REFUSED = {
+    True: "TrainingArguments.fp16=True on CPU: ONNX Runtime's CPU provider has no float16 kernels, so there is "
+    "nothing to run in float16 (ort_trainer.amp keeps the math in float32 there); train with fp16=False",
+    False: "TrainingArguments.fp16=True is not supported by ort_trainer.hf.Trainer yet: accelerate's GradScaler "
+    "would scale PyTorch gradients that do not exist here; train with fp16=False",
+}
+
 
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` on ONNX Runtime: same constructor and methods, plus ``ort_options``.
@@ -47,12 +54,8 @@ class Trainer(transformers.Trainer):
     def __init__(self, *args: Any, ort_options: Mapping[str, Any] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         check_training_arguments(self.args)
-        if self.args.fp16 and self.args.device.type == "cpu":
-            raise ValueError(
-                "TrainingArguments.fp16=True on CPU: ONNX Runtime's CPU provider has no float16 kernels, so "
-                "ort_trainer.amp would only add loss scaling; train in float32 (fp16=False), or pass "
-                "ort_options={'mixed_precision': {'enabled': True}} to get the loss scaling anyway"
-            )
+        if self.args.fp16:
+            raise ValueError(_FP16_REFUSED[self.args.device.type == "cpu"])
         if self.optimizer is not None or self.lr_scheduler is not None:
             raise ValueError(
                 "Trainer(optimizers=(optimizer, scheduler)) is not supported by ort_trainer.hf.Trainer: the update "
