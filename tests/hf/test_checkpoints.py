@@ -43,6 +43,13 @@ def test_checkpoints_rotate_and_resume_like_the_uninterrupted_run(tmp_path):
     for key, value in full.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[key], value, atol=1e-6, rtol=1e-6, msg=key)
 
+    # resume_from_checkpoint=<folder> (here the full run's own checkpoint-4) continues the same way
+    again = _trainer(gpt2(seed=12), arguments(tmp_path / "again", **overrides))
+    again.train(resume_from_checkpoint=str(four))
+    assert [e["loss"] for e in again.state.log_history if "loss" in e and e["step"] > 4] == tail
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[key], value), key
+
     # save_model: a plain HF folder (safetensors + config) that from_pretrained loads
     resumed.save_model(tmp_path / "final")
     assert (tmp_path / "final" / "model.safetensors").is_file()
