@@ -62,3 +62,13 @@ def test_an_accumulation_window_cut_short_by_the_epoch_is_refused_before_trainin
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4 does not divide the 6 batches"):
         trainer.train()
     assert trainer.ort_trainer is None  # refused before any graph was built
+
+
+def test_a_batch_entry_that_is_not_a_tensor_is_named(tmp_path):
+    def collate(rows):
+        return {**pad_collate(rows), "source": ["corpus"] * len(rows)}
+
+    trainer = OrtHFTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=TokenData(8), data_collator=collate)
+    with pytest.raises(TypeError, match="batch entry 'source' is a list"):
+        trainer.train()
+    assert trainer.ort_trainer is None
