@@ -132,8 +132,9 @@ class Trainer(transformers.Trainer):
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
         if self.ort_trainer is not None and prediction_loss_only and has_labels:
             inputs = self._prepare_inputs(inputs)
-            feeds = tensor_inputs(inputs, self._get_num_items_in_batch([inputs], self.args.device))
-            if frozenset(feeds) == self._ort_inputs:
+            num_items = self._get_num_items_in_batch([inputs], self.args.device)
+            feeds = _tensors_or_none(inputs, num_items)
+            if feeds is not None and frozenset(feeds) == self._ort_inputs:
                 loss = self.ort_trainer.eval_step(**feeds) / self._ort_factor
                 return loss.detach().mean(), None, None
         self._sync_model()
@@ -258,3 +259,11 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         super()._load_best_model()
         self._push_model()
+
+
+def _tensors_or_none(inputs: Mapping[str, Any], num_items: Any) -> dict[str, torch.Tensor] | None:
+    """The graph inputs of an eval batch, or None when it has entries ORT cannot take (PyTorch evaluates it)."""
+    try:
+        return tensor_inputs(inputs, num_items)
+    except (TypeError, ValueError):
+        return None
