@@ -84,3 +84,14 @@ def test_load_best_model_at_end_restores_the_best_weights_everywhere(tmp_path):
         torch.testing.assert_close(trainer.model.state_dict()[key], value, msg=key)
     # ONNX Runtime got the best weights too: evaluate() gives the best eval loss again
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[best_step], rel=1e-5)
+
+
+@pytest.mark.hf_long
+def test_model_init_gives_every_train_call_a_fresh_model_and_trainer(tmp_path):
+    trainer = OrtHFTrainer(model_init=lambda: gpt2(seed=4), args=arguments(tmp_path, max_steps=3),
+                           train_dataset=TokenData(24), data_collator=pad_collate)  # fmt: skip
+    trainer.train()
+    first, graph = [e["loss"] for e in trainer.state.log_history if "loss" in e], trainer.ort_trainer
+    trainer.train()
+    assert trainer.ort_trainer is not graph
+    assert [e["loss"] for e in trainer.state.log_history if "loss" in e] == pytest.approx(first, rel=1e-6)

@@ -5,6 +5,8 @@ num_items_in_batch normalisation) and logging every k steps."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -85,3 +87,42 @@ def test_compute_loss_override_and_callbacks_behave_as_in_hf(tmp_path):
     assert_weights_close(ours.model, reference.model)
     assert ort_recorder.events == torch_recorder.events
     assert ("on_optimizer_step", 0) in ort_recorder.events and ("on_log", 3) in ort_recorder.events
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Fixed-length token rows with a class label each (the model's own cross-entropy over 3 classes)."""
+
+    def __init__(self, count: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, 64, (count, 10), generator=g)
+        self.labels = torch.randint(0, 3, (count,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(10, dtype=torch.int64), "labels": self.labels[i]}
+
+
+@pytest.mark.hf_long
+def test_a_bert_classifier_trains_like_transformers_trainer(tmp_path):
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    overrides = dict(gradient_accumulation_steps=2, max_steps=4, lr_scheduler_type="linear")
+
+    def train(cls, folder):
+        trainer = cls(model=copy.deepcopy(model), args=arguments(tmp_path / folder, **overrides),
+                      train_dataset=Sentences(16, seed=1), eval_dataset=Sentences(8, seed=2))  # fmt: skip
+        trainer.train()
+        return trainer, [e["loss"] for e in trainer.state.log_history if "loss" in e], trainer.evaluate()["eval_loss"]
+
+    reference, expected, expected_eval = train(transformers.Trainer, "torch")
+    ours, losses, eval_loss = train(OrtHFTrainer, "ort")
+    assert_losses_close(losses, expected)
+    assert eval_loss == pytest.approx(expected_eval, rel=1e-4)
+    assert_weights_close(ours.model, reference.model)
