@@ -19,7 +19,8 @@ CASES = {
     "cosine-clip-log2": dict(lr_scheduler_type="cosine", max_grad_norm=0.5, logging_steps=2, warmup_steps=0.3,
                              adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6),
     "constant-noclip-epochs": dict(lr_scheduler_type="constant_with_warmup", max_grad_norm=0.0, max_steps=-1,
-                                   num_train_epochs=2, weight_decay=0.1, per_device_train_batch_size=6),
+                                   num_train_epochs=2, weight_decay=0.1, per_device_train_batch_size=6,
+                                   label_smoothing_factor=0.1),
 }  # fmt: skip
 
 
@@ -104,8 +105,14 @@ class Sentences(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones(10, dtype=torch.int64), "labels": self.labels[i]}
 
 
+def _weighted_cross_entropy(outputs, labels, num_items_in_batch=None):
+    weights = torch.tensor([1.0, 2.0, 0.5])
+    return torch.nn.functional.cross_entropy(outputs.logits, labels, weight=weights)
+
+
 @pytest.mark.hf_long
-def test_a_bert_classifier_trains_like_transformers_trainer(tmp_path):
+def test_a_bert_classifier_with_compute_loss_func_trains_like_transformers_trainer(tmp_path):
+    """compute_loss_func: HF takes its loss as normalised over the window (no division by the accumulation)."""
     config = transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
@@ -117,7 +124,8 @@ def test_a_bert_classifier_trains_like_transformers_trainer(tmp_path):
 
     def train(cls, folder):
         trainer = cls(model=copy.deepcopy(model), args=arguments(tmp_path / folder, **overrides),
-                      train_dataset=Sentences(16, seed=1), eval_dataset=Sentences(8, seed=2))  # fmt: skip
+                      train_dataset=Sentences(16, seed=1), eval_dataset=Sentences(8, seed=2),
+                      compute_loss_func=_weighted_cross_entropy)  # fmt: skip
         trainer.train()
         return trainer, [e["loss"] for e in trainer.state.log_history if "loss" in e], trainer.evaluate()["eval_loss"]
 
