@@ -30,9 +30,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import MODELS, ort_trainer_step, session_options, set_torch_threads, torch_step
-from benchmarks._hf import bert_spec, gpt2_spec
+from benchmarks._hf import SCALE_MODELS, bert_spec, gpt2_spec, scale_spec
 
-SPECS = {**MODELS, "gpt2": gpt2_spec(), "bert": bert_spec()}
+SPECS = {**MODELS, "gpt2": gpt2_spec(), "bert": bert_spec(), **{n: scale_spec(n) for n in SCALE_MODELS}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
