@@ -97,6 +97,11 @@ def host_stamp() -> str:
     )
 
 
+def print_host_stamp() -> None:
+    """Print `host_stamp` and a blank line: the first lines of every benchmark's output."""
+    print(host_stamp() + "\n", flush=True)
+
+
 # ------------------------------------------------------------------------------------------ models
 class MLP(torch.nn.Module):
     def __init__(self, d_in: int, hidden: int, d_out: int):
