@@ -3,11 +3,13 @@
 * Forward graph, before gradient building (`apply_forward_rewrites`, CPU only): `gather_to_gather_nd`,
   `decompose_softmax_cross_entropy`: faster CPU kernels for the same values.
 * Training graph, after gradient building (`apply_training_rewrites`, CPU only): `decompose_gelu_grads`,
-  `decompose_relu_grads`: multi-threaded element-wise ops instead of single-threaded gradient kernels.
+  `decompose_relu_grads`, `decompose_layer_norm_grads`: vectorised, multi-threaded element-wise ops
+  instead of single-threaded gradient kernels.
 * Every device (the engine's session applies it): `gradients_as_outputs`: the gradients written by their
   kernels straight into the trainer's buffers instead of copied there by ``InPlaceAccumulatorV2``.
 
-tests/test_graph_rewrites.py, test_graph_gelu.py and test_graph_relu.py check each one against PyTorch.
+tests/test_graph_rewrites.py, test_graph_gelu.py, test_graph_relu.py and tests/graph/ check each one against
+PyTorch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ._cross_entropy import decompose_softmax_cross_entropy
 from ._gather_nd import gather_to_gather_nd
 from ._gelu_grad import decompose_gelu_grads
 from ._grad_outputs import ACCUMULATOR_SUFFIX, gradients_as_outputs
+from ._layer_norm_grad import decompose_layer_norm_grads
 from ._relu_grad import decompose_relu_grads
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "apply_forward_rewrites",
     "apply_training_rewrites",
     "decompose_gelu_grads",
+    "decompose_layer_norm_grads",
     "decompose_relu_grads",
     "decompose_softmax_cross_entropy",
     "gather_to_gather_nd",
@@ -39,4 +43,4 @@ def apply_forward_rewrites(model: onnx.ModelProto) -> int:
 
 def apply_training_rewrites(model: onnx.ModelProto) -> int:
     """The CPU speed rewrites of the training (gradient) graph, in place; returns the number of nodes replaced."""
-    return decompose_gelu_grads(model) + decompose_relu_grads(model)
+    return decompose_gelu_grads(model) + decompose_relu_grads(model) + decompose_layer_norm_grads(model)
