@@ -217,7 +217,7 @@ def graph_rewrites(enabled: bool) -> Iterator[None]:
     """Force the CPU speed rewrites (forward and training graph) on or off while an `ORTTrainer` builds."""
     saved = _build.apply_forward_rewrites, _build.apply_training_rewrites
     if not enabled:
-        _build.apply_forward_rewrites = _build.apply_training_rewrites = lambda model: 0
+        _build.apply_forward_rewrites = _build.apply_training_rewrites = lambda model, *threads: 0
     try:
         yield
     finally:
@@ -336,7 +336,7 @@ class BareOrt:
             )
         if rewrites:  # the same training-graph rewrites ORTTrainer applies
             training = onnx.load(str(out / "training_model.onnx"))
-            apply_training_rewrites(training)
+            apply_training_rewrites(training, options.intra_op_num_threads or (os.cpu_count() or 1))
             onnx.save(training, str(out / "training_model.onnx"))
         self.state = CheckpointState.load_checkpoint(str(out / "checkpoint"))
         self.module = Module(str(out / "training_model.onnx"), self.state, str(out / "eval_model.onnx"), "cpu", options)

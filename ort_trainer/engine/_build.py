@@ -8,6 +8,7 @@ at construction (the graph uses a subset of them: unused parameters are never up
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -180,7 +181,7 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
     outputs = backprop + _loss_first(request.desc) + [o.name for o in forward.graph.output if o.name not in known]
     train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
     if request.device.torch_device.type == "cpu":  # slow single-threaded gradient kernels; CUDA left as is
-        apply_training_rewrites(train_model)
+        apply_training_rewrites(train_model, request.session_options.intra_op_num_threads or (os.cpu_count() or 1))
     if mixed is not None:
         strip_loss_scaling(eval_model, mixed)
     return train_model, eval_model, loss_scale_input

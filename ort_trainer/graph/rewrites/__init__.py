@@ -41,6 +41,11 @@ def apply_forward_rewrites(model: onnx.ModelProto) -> int:
     return gather_to_gather_nd(model) + decompose_softmax_cross_entropy(model)
 
 
-def apply_training_rewrites(model: onnx.ModelProto) -> int:
-    """The CPU speed rewrites of the training (gradient) graph, in place; returns the number of nodes replaced."""
-    return decompose_gelu_grads(model) + decompose_relu_grads(model) + decompose_layer_norm_grads(model)
+def apply_training_rewrites(model: onnx.ModelProto, threads: int = 0) -> int:
+    """The CPU speed rewrites of the training (gradient) graph, in place; returns the number of nodes replaced.
+
+    ``threads``: ORT's intra-op threads (0: unknown, taken as several). On one thread the exact GELU
+    gradient kernel beats its element-wise form, so it is kept (`decompose_gelu_grads`).
+    """
+    gelu = decompose_gelu_grads(model, exact=threads != 1)
+    return gelu + decompose_relu_grads(model) + decompose_layer_norm_grads(model)
