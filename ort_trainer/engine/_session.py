@@ -20,7 +20,6 @@ from onnxruntime.training import onnxblock
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ort_trainer._native_logs import quiet_native_info_logs
-from ort_trainer.graph import ACCUMULATOR_SUFFIX, gradients_as_outputs
 from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
 from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
 
@@ -105,25 +104,12 @@ class _OutputBinding:
     outputs, whose order is the order of first binding.
     """
 
-    def __init__(
-        self,
-        session: ort.InferenceSession,
-        io: ort.IOBinding,
-        device: DeviceSpec,
-        read: set[str],
-        grads: Mapping[str, torch.Tensor] | None = None,
-    ):
+    def __init__(self, session: ort.InferenceSession, io: ort.IOBinding, device: DeviceSpec, read: set[str]):
         self._io, self._device = io, device
         self._static: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._dynamic: list[tuple[str, int]] = []  # (name, position among the bound outputs)
         self._scratch: list[torch.Tensor] = []  # kept alive: ORT writes into them
-        self._grads: list[tuple[str, int, torch.Tensor]] = []  # (output, position, gradient buffer view)
-        self._grads_in_buffers = True
         for position, output in enumerate(session.get_outputs()):
-            if grads and output.name in grads:  # written by the kernel straight into the buffer
-                self._grads.append((output.name, position, grads[output.name]))
-                io.bind_ortvalue_output(output.name, to_ortvalue(grads[output.name]))
-                continue
             shape, dtype = output.shape, _TORCH_DTYPES.get(output.type)
             static = dtype is not None and all(isinstance(d, int) for d in shape)
             if output.name in read and static and not shape:
@@ -146,23 +132,6 @@ class _OutputBinding:
             self._io.bind_output(name, self._device.binding_type, self._device.binding_id)
         return fresh
 
-    def gradients_into_buffers(self, overwrite: bool) -> None:
-        """Bind the gradient outputs to the buffers (``overwrite``) or to memory ORT allocates (to add)."""
-        if overwrite == self._grads_in_buffers:
-            return
-        for name, _, buffer in self._grads:
-            if overwrite:
-                self._io.bind_ortvalue_output(name, to_ortvalue(buffer))
-            else:
-                self._io.bind_output(name, self._device.binding_type, self._device.binding_id)
-        self._grads_in_buffers = overwrite
-
-    def add_gradients(self) -> None:
-        """After a run with the gradients in ORT's memory: add them into the buffers (on their device)."""
-        values = self._io._iobinding.get_outputs()
-        for _, position, buffer in self._grads:
-            buffer.add_(_to_torch(values[position]).view_as(buffer))
-
     def collect(self, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """After the run: the preallocated outputs plus the ones ORT allocated."""
         if self._dynamic:
@@ -170,13 +139,6 @@ class _OutputBinding:
             for name, position in self._dynamic:
                 fresh[name] = _to_torch(values[position])
         return fresh
-
-
-def _bind_accumulators(io: ort.IOBinding, grads: Mapping[str, torch.Tensor]) -> dict[bool, ort.OrtValue]:
-    """Bind the gradient buffers as ``InPlaceAccumulatorV2`` inputs; returns the ``lazy_reset_grad`` values."""
-    for name, tensor in grads.items():
-        io.bind_ortvalue_input(f"{name}_grad{ACCUMULATOR_SUFFIX}", to_ortvalue(tensor))
-    return {flag: ort.OrtValue.ortvalue_from_numpy(np.array([flag])) for flag in (True, False)}
 
 
 class _ExistingLoss(onnxblock.TrainingBlock):
@@ -225,8 +187,6 @@ class TrainingSession:
         self._frozen = frozen
         self._trimmed = False  # one malloc_trim after the first training run (see run_train)
         strip_batchnorm_statistics(eval_model, self._bn_stats)
-        # the gradients leave the graph as outputs, written by their kernels straight into the buffers
-        grad_outputs = gradients_as_outputs(train_model)
         dump = session_options.optimized_model_filepath  # debug.graph_save_paths: the training graph's, only
         with quiet_native_info_logs():
             self._train = ort.InferenceSession(train_model.SerializeToString(), session_options, device.providers)
@@ -235,43 +195,36 @@ class TrainingSession:
                 self._eval = ort.InferenceSession(eval_model.SerializeToString(), session_options, device.providers)
             finally:
                 session_options.optimized_model_filepath = dump
+        self._reset_flags = {flag: np.array([flag]) for flag in (True, False)}  # kept alive: ORT shares them
+        self._reset_values = {flag: ort.OrtValue.ortvalue_from_numpy(a) for flag, a in self._reset_flags.items()}
         state = {**params, **frozen}
-        self._train_io = self._bind_state(self._train, state)
-        self._eval_io = self._bind_state(self._eval, state)
+        self._train_io = self._bind_state(self._train, state, grads)
+        self._eval_io = self._bind_state(self._eval, state, {})
         read = set(self._user_outputs) | {
             name for s in self._bn_stats for name in (s.new_mean_output, s.new_var_output, s.input_shape_output)
         }
-        # A graph that kept its accumulators (benchmarks compare both forms) reads the buffers as inputs.
-        self._reset_values = None if grad_outputs else _bind_accumulators(self._train_io, grads)
-        grad_views = (
-            {grad_outputs[f"{name}_grad{ACCUMULATOR_SUFFIX}"]: view for name, view in grads.items()}
-            if (grad_outputs)
-            else {}
-        )
-        self._train_out = _OutputBinding(self._train, self._train_io, device, read, grad_views)
+        self._train_out = _OutputBinding(self._train, self._train_io, device, read)
         self._eval_out = _OutputBinding(self._eval, self._eval_io, device, read)
 
     @property
     def train_input_names(self) -> list[str]:
         return [i.name for i in self._train.get_inputs()]
 
-    def _bind_state(self, session, state) -> ort.IOBinding:
+    def _bind_state(self, session, state, grads) -> ort.IOBinding:
         binding = session.io_binding()
         wanted = {i.name for i in session.get_inputs()}
         for name, tensor in state.items():
             if name in wanted:
                 binding.bind_ortvalue_input(name, to_ortvalue(tensor))
+        for name, tensor in grads.items():
+            binding.bind_ortvalue_input(f"{name}_grad.accumulation.buffer", to_ortvalue(tensor))
         return binding
 
     def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
         """One forward+backward; gradients accumulate into the bound buffers (overwrite if ``reset_grad``)."""
         io = self._train_io
-        if self._reset_values is not None:
-            io._iobinding.bind_ortvalue_input(_LAZY_RESET, self._reset_values[bool(reset_grad)]._ortvalue)
-        self._train_out.gradients_into_buffers(overwrite=bool(reset_grad))
+        io._iobinding.bind_ortvalue_input(_LAZY_RESET, self._reset_values[bool(reset_grad)]._ortvalue)
         outputs = self._run(self._train, io, inputs, self._train_out)
-        if not reset_grad:
-            self._train_out.add_gradients()
         if self._bn_stats:
             self._update_batchnorm_statistics(outputs)
         if not self._trimmed:

@@ -12,6 +12,6 @@
 
 from __future__ import annotations
 
-from .rewrites import ACCUMULATOR_SUFFIX, apply_forward_rewrites, apply_training_rewrites, gradients_as_outputs
+from .rewrites import apply_forward_rewrites, apply_training_rewrites
 
-__all__ = ["ACCUMULATOR_SUFFIX", "apply_forward_rewrites", "apply_training_rewrites", "gradients_as_outputs"]
+__all__ = ["apply_forward_rewrites", "apply_training_rewrites"]

@@ -5,8 +5,6 @@
 * Training graph, after gradient building (`apply_training_rewrites`, CPU only): `decompose_gelu_grads`,
   `decompose_relu_grads`, `decompose_layer_norm_grads`: vectorised, multi-threaded element-wise ops
   instead of single-threaded gradient kernels.
-* Every device (the engine's session applies it): `gradients_as_outputs`: the gradients written by their
-  kernels straight into the trainer's buffers instead of copied there by ``InPlaceAccumulatorV2``.
 
 tests/test_graph_rewrites.py, test_graph_gelu.py, test_graph_relu.py and tests/graph/ check each one against
 PyTorch.
@@ -19,12 +17,10 @@ import onnx
 from ._cross_entropy import decompose_softmax_cross_entropy
 from ._gather_nd import gather_to_gather_nd
 from ._gelu_grad import decompose_gelu_grads
-from ._grad_outputs import ACCUMULATOR_SUFFIX, gradients_as_outputs
 from ._layer_norm_grad import decompose_layer_norm_grads
 from ._relu_grad import decompose_relu_grads
 
 __all__ = [
-    "ACCUMULATOR_SUFFIX",
     "apply_forward_rewrites",
     "apply_training_rewrites",
     "decompose_gelu_grads",
@@ -32,7 +28,6 @@ __all__ = [
     "decompose_relu_grads",
     "decompose_softmax_cross_entropy",
     "gather_to_gather_nd",
-    "gradients_as_outputs",
 ]
 
 
