@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ort_trainer.graph.rewrites import apply_forward_rewrites, apply_training_rewrites
+from tests.graph_compare import assert_close, ort_loss_and_grads, torch_loss_and_grads
 from tests.hf_tiny import GPT2, HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, classifier_batch, lm_batch, token_loss
-from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads
 
 ce = torch.nn.functional.cross_entropy
 
@@ -19,8 +19,8 @@ def _ops_after(model, loss_fn, desc, batch, threads):
         seen.append({node.op_type for node in train.graph.node})
         return changed
 
-    result = _ort_loss_and_grads(model, loss_fn, desc, batch, apply_forward_rewrites, train_rewrite)
-    _assert_close(result[:2], _torch_loss_and_grads(model, loss_fn, batch))
+    result = ort_loss_and_grads(model, loss_fn, desc, batch, apply_forward_rewrites, train_rewrite)
+    assert_close(result[:2], torch_loss_and_grads(model, loss_fn, batch))
     return seen[0]
 
 

@@ -10,9 +10,9 @@ import torch
 from onnx import TensorProto, helper
 
 from ort_trainer.graph.rewrites import apply_forward_rewrites, apply_training_rewrites, decompose_layer_norm_grads
+from tests.graph_compare import assert_close, ort_loss_and_grads, torch_loss_and_grads
 from tests.hf_tiny import GPT2, HF_CLASSIFIER_DESC, HF_DESC, BertClassifier, classifier_batch, lm_batch, token_loss
 from tests.models import LM_DESC, TinyLM, lm_batches, lm_loss
-from tests.test_graph_rewrites import _assert_close, _ort_loss_and_grads, _torch_loss_and_grads
 
 ce = torch.nn.functional.cross_entropy
 
@@ -77,9 +77,9 @@ def test_transformer_lm_gradients_match_torch():
     model = TinyLM(vocab=64, d_model=16, layers=2, heads=2)
     batch = lm_batches(1, batch=3, seq=10, vocab=64)[0]
     replaced = []
-    result = _ort_loss_and_grads(model, lm_loss, LM_DESC, batch, None, _count_and_rewrite(replaced))
+    result = ort_loss_and_grads(model, lm_loss, LM_DESC, batch, None, _count_and_rewrite(replaced))
     assert replaced == [4]  # two LayerNorms per encoder layer
-    _assert_close(result[:2], _torch_loss_and_grads(model, lm_loss, batch))
+    assert_close(result[:2], torch_loss_and_grads(model, lm_loss, batch))
 
 
 def test_hugging_face_gpt2_and_bert_gradients_match_torch_with_every_rewrite():
@@ -94,6 +94,6 @@ def test_hugging_face_gpt2_and_bert_gradients_match_torch_with_every_rewrite():
             replaced.append(decompose_layer_norm_grads(train))
             return replaced[-1] + apply_training_rewrites(train)
 
-        result = _ort_loss_and_grads(model, loss_fn, desc, batch, apply_forward_rewrites, train_rewrite)
+        result = ort_loss_and_grads(model, loss_fn, desc, batch, apply_forward_rewrites, train_rewrite)
         assert replaced == [layer_norms]
-        _assert_close(result[:2], _torch_loss_and_grads(model, loss_fn, batch))
+        assert_close(result[:2], torch_loss_and_grads(model, loss_fn, batch))

@@ -12,8 +12,8 @@ import copy
 import torch
 
 from ort_trainer import ORTTrainer, optim
+from tests.graph_compare import torch_loss_and_grads
 from tests.models import LM_DESC, TinyLM, lm_batches, lm_loss
-from tests.test_graph_rewrites import _torch_loss_and_grads
 
 
 def _lm():
@@ -41,7 +41,7 @@ def test_trainer_buffers_receive_torch_gradients_with_and_without_accumulation()
     for accumulation in (1, 3):
         trainer = _sgd_trainer(model, accumulation)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        per_batch = [_torch_loss_and_grads(model, lm_loss, b)[1] for b in batches[:accumulation]]
+        per_batch = [torch_loss_and_grads(model, lm_loss, b)[1] for b in batches[:accumulation]]
         expected = {name: sum(g[name] for g in per_batch) / accumulation for name in per_batch[0]}
         for batch in batches[:accumulation]:
             trainer.train_step(*batch)
@@ -58,7 +58,7 @@ def test_a_second_cycle_overwrites_the_accumulated_gradients():
     middle = trainer.state_dict(pytorch_format=True)
     reference = copy.deepcopy(model)
     reference.load_state_dict(middle)
-    per_batch = [_torch_loss_and_grads(reference, lm_loss, b)[1] for b in batches[2:]]
+    per_batch = [torch_loss_and_grads(reference, lm_loss, b)[1] for b in batches[2:]]
     expected = {name: (per_batch[0][name] + per_batch[1][name]) / 2 for name in per_batch[0]}
     for batch in batches[2:]:
         trainer.train_step(*batch)
