@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
+import importlib.metadata
+import os
+import platform
+import shlex
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +39,67 @@ from ort_trainer.graph._passes import add_optional_outputs
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
 MLP_DESC = {"inputs": [("x", ["batch", "features"]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
 LM_DESC = {"inputs": [("tokens", ["batch", "seq"]), ("label", ["batch", "seq"])], "outputs": [("loss", [], True)]}
+
+
+# ------------------------------------------------------------------------------------------ host stamp
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+_ISA_ENV = (
+    "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+)  # fmt: skip
+_PACKAGES = ("torch", "onnxruntime-training", "onnx", "transformers", "numpy")
+
+
+def _cpu_info() -> tuple[str, set[str]]:
+    """(CPU model name, ISA flags) from /proc/cpuinfo; ("unknown", {}) where there is none."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model in ("unknown", "", platform.machine()):
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def host_stamp() -> str:
+    """One block naming the host a benchmark table was measured on: print it above every table.
+
+    CPU model, the ISA flags that decide which GEMM/element-wise kernels run (avx2, avx512f, avx512_bf16,
+    amx...), torch's chosen CPU capability, cores (and the affinity this process has), the 1/5/15-minute
+    load average, library versions, ISA/thread environment overrides, the date and the exact command.
+    """
+    model, flags = _cpu_info()
+    isa = " ".join(f for f in _ISA_FLAGS if f in flags) or "none of " + "/".join(_ISA_FLAGS)
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    versions = ", ".join(f"{p} {_version(p)}" for p in _PACKAGES)
+    overrides = ", ".join(f"{k}={os.environ[k]}" for k in _ISA_ENV if k in os.environ) or "none"
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    return "\n".join(
+        [
+            f"host: {model}; ISA {isa}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}",
+            f"cores: {os.cpu_count()} ({affinity} usable); load average {load} (1/5/15 min) at {when}",
+            f"versions: python {platform.python_version()}, {versions}; env overrides: {overrides}",
+            f"command: {command}",
+        ]
+    )
+
+
+def print_host_stamp() -> None:
+    """Print `host_stamp` and a blank line: the first lines of every benchmark's output."""
+    print(host_stamp() + "\n", flush=True)
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -150,7 +217,7 @@ def graph_rewrites(enabled: bool) -> Iterator[None]:
     """Force the CPU speed rewrites (forward and training graph) on or off while an `ORTTrainer` builds."""
     saved = _build.apply_forward_rewrites, _build.apply_training_rewrites
     if not enabled:
-        _build.apply_forward_rewrites = _build.apply_training_rewrites = lambda model: 0
+        _build.apply_forward_rewrites = _build.apply_training_rewrites = lambda model, *threads: 0
     try:
         yield
     finally:
@@ -269,7 +336,7 @@ class BareOrt:
             )
         if rewrites:  # the same training-graph rewrites ORTTrainer applies
             training = onnx.load(str(out / "training_model.onnx"))
-            apply_training_rewrites(training)
+            apply_training_rewrites(training, options.intra_op_num_threads or (os.cpu_count() or 1))
             onnx.save(training, str(out / "training_model.onnx"))
         self.state = CheckpointState.load_checkpoint(str(out / "checkpoint"))
         self.module = Module(str(out / "training_model.onnx"), self.state, str(out / "eval_model.onnx"), "cpu", options)

@@ -30,11 +30,11 @@ BERT_DESC = {
 
 
 class GPT2(torch.nn.Module):
-    def __init__(self, layers: int, attn: str):
+    def __init__(self, layers: int, attn: str, **config):
         super().__init__()
+        sizes = {"n_layer": layers, "n_embd": 256, "n_head": 4, "vocab_size": VOCAB, "n_positions": SEQ, **config}
         config = transformers.GPT2Config(
-            n_layer=layers, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn,
+            **sizes, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn
         )  # fmt: skip
         self.model = transformers.GPT2LMHeadModel(config)
 
@@ -43,12 +43,14 @@ class GPT2(torch.nn.Module):
 
 
 class BertClassifier(torch.nn.Module):
-    def __init__(self, layers: int, attn: str):
+    def __init__(self, layers: int, attn: str, **config):
         super().__init__()
+        sizes = {
+            "num_hidden_layers": layers, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024,
+            "vocab_size": VOCAB, "max_position_embeddings": SEQ, **config,
+        }  # fmt: skip
         config = transformers.BertConfig(
-            num_hidden_layers=layers, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
-            vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, attn_implementation=attn,
+            **sizes, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation=attn
         )  # fmt: skip
         self.model = transformers.BertForSequenceClassification(config)
 
@@ -56,12 +58,12 @@ class BertClassifier(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
-def _gpt2_batches(batch: int):
+def _gpt2_batches(batch: int, vocab: int = VOCAB):
     def make(n: int):
         g = torch.Generator().manual_seed(0)
         out = []
         for _ in range(n):
-            tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+            tokens = torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
             mask = torch.ones(batch, SEQ, dtype=torch.int64)
             out.append((tokens[:, :-1].contiguous(), mask, tokens[:, 1:].contiguous()))
         return out
@@ -69,14 +71,14 @@ def _gpt2_batches(batch: int):
     return make
 
 
-def _bert_batches(batch: int):
+def _bert_batches(batch: int, vocab: int = VOCAB):
     def make(n: int):
         g = torch.Generator().manual_seed(0)
         out = []
         for _ in range(n):
             mask = torch.ones(batch, SEQ, dtype=torch.int64)
             mask[: batch // 4, SEQ // 2 :] = 0  # a quarter of the sequences padded to half length
-            tokens = torch.randint(1, VOCAB, (batch, SEQ), generator=g)  # no padding_idx (0) tokens
+            tokens = torch.randint(1, vocab, (batch, SEQ), generator=g)  # no padding_idx (0) tokens
             out.append((tokens, mask, torch.randint(0, 2, (batch,), generator=g)))
         return out
 
@@ -103,3 +105,33 @@ def bert_spec(layers: int = 4, batch: int = 16, attn: str = "eager") -> ModelSpe
         torch.nn.functional.cross_entropy,
         _bert_batches(batch),
     )
+
+
+# Real sizes: the library defaults of GPT2Config / BertConfig (GPT-2 124M, BERT-base) and GPT-2 medium
+# (350M), sequence 128; the small configs above under their own names. name -> (family, layers, config,
+# default batch, summary).
+SCALE_MODELS = {
+    "gpt2-small": ("gpt2", 4, {}, 8, "HF GPT-2 4 layers d 256 vocab 8000 (5.2M)"),
+    "bert-small": ("bert", 4, {}, 16, "HF BERT classifier 4 layers d 256 vocab 8000 (5.3M)"),
+    "gpt2-124m": ("gpt2", 12, {"n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}, 2,
+                  "HF GPT-2 124M (GPT2Config defaults: 12 layers, d 768, vocab 50257)"),
+    "gpt2-350m": ("gpt2", 24, {"n_embd": 1024, "n_head": 16, "vocab_size": 50257, "n_positions": 1024}, 2,
+                  "HF GPT-2 medium 355M (24 layers, d 1024, vocab 50257)"),
+    "bert-base": ("bert", 12, {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072,
+                               "vocab_size": 30522, "max_position_embeddings": 512}, 4,
+                  "HF BERT-base classifier (BertConfig defaults: 12 layers, d 768, vocab 30522, 109M)"),
+}  # fmt: skip
+
+
+def scale_spec(name: str, batch: int | None = None, attn: str = "eager") -> ModelSpec:
+    """A `SCALE_MODELS` entry as a `ModelSpec` (batch x 128 tokens; ``batch`` None: the entry's default)."""
+    family, layers, config, default_batch, summary = SCALE_MODELS[name]
+    batch = batch or default_batch
+    vocab = config.get("vocab_size", VOCAB)
+    if family == "gpt2":
+        make, desc, loss, batches = (lambda: GPT2(layers, attn, **config)), GPT2_DESC, lm_loss, _gpt2_batches
+    else:
+        make, desc = (lambda: BertClassifier(layers, attn, **config)), BERT_DESC
+        loss, batches = torch.nn.functional.cross_entropy, _bert_batches
+    summary = f"{summary}, batch {batch} x {SEQ}, {attn} attention"
+    return ModelSpec(name, summary, make, desc, loss, batches(batch, vocab))

@@ -210,6 +210,9 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.out, args.paths)
         return
+    from benchmarks._common import print_host_stamp  # here: worker processes must not import it
+
+    print_host_stamp()
     sizes = args.sizes or ([4, 16] if args.quick else [16, 64, 256])
     rounds = args.rounds or (1 if args.quick else 3)
     if min(sizes) < 1 or rounds < 1:

@@ -26,6 +26,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -37,6 +38,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ort_trainer import ORTTrainer, optim
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ce = torch.nn.functional.cross_entropy
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -301,6 +305,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.width, args.depth, args.rounds = 1024, 3, 1
+    from benchmarks._common import print_host_stamp  # here: worker processes must not import it
+
+    print_host_stamp()
     run(args)
 
 

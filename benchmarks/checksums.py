@@ -108,7 +108,9 @@ def main() -> None:
     parser.add_argument("--baseline", default="a94ec31", help="commit whose checkpoint package is compared")
     parser.add_argument("--disk-dir", default=None, help="folder on the disk (default: a temporary folder)")
     args = parser.parse_args()
+    from benchmarks._common import print_host_stamp  # here: worker processes must not import it
 
+    print_host_stamp()
     print(f"checksum throughput, {args.mib} MiB float64 array, median of {args.rounds}")
     print("| checksum | GB/s |\n|---|---|")
     for name, speed in _checksum_table(args.mib, args.rounds):

@@ -27,7 +27,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import MLP, MODELS, ModelSpec, ort_trainer_step, session_options
+from benchmarks._common import MLP, MODELS, ModelSpec, ort_trainer_step, print_host_stamp, session_options
 
 TINY = ModelSpec(
     "tiny",
@@ -78,6 +78,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    print_host_stamp()
     print(f"torch threads {torch.get_num_threads()}, 1-min load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n")
     print("| model | train_step µs | ORT run µs | update µs | run+update µs | frontend µs | frontend share |")
     print("|---|---|---|---|---|---|---|")

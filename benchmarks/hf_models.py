@@ -41,7 +41,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import BareOrt, compiled_step, ort_trainer_step, session_options, torch_step
+from benchmarks._common import BareOrt, compiled_step, ort_trainer_step, print_host_stamp, session_options, torch_step
 from benchmarks._hf import bert_spec, gpt2_spec
 
 CONTENDERS = ("pytorch", "pytorch_sdpa", "compile", "ort_trainer", "ort_api")
@@ -228,6 +228,7 @@ def main(argv=None) -> int:
         return 0
     load = os.getloadavg()[0]
     started = time.perf_counter()
+    print_host_stamp()
     print(
         f"torch {torch.__version__}, torch threads {torch.get_num_threads()}, rounds {args.rounds} x {args.steps} "
         f"steps, 1-min load {load:.2f} on {os.cpu_count()} cores\n"

@@ -61,6 +61,9 @@ def main() -> None:
     if args.child:
         _child(args)
         return
+    from benchmarks._common import print_host_stamp  # here: worker processes must not import it
+
+    print_host_stamp()
     rows = []
     for mixed in (False, True):
         cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--device", args.device]

@@ -29,10 +29,17 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import MODELS, ort_trainer_step, session_options, set_torch_threads, torch_step
-from benchmarks._hf import bert_spec, gpt2_spec
+from benchmarks._common import (
+    MODELS,
+    ort_trainer_step,
+    print_host_stamp,
+    session_options,
+    set_torch_threads,
+    torch_step,
+)
+from benchmarks._hf import SCALE_MODELS, bert_spec, gpt2_spec, scale_spec
 
-SPECS = {**MODELS, "gpt2": gpt2_spec(), "bert": bert_spec()}
+SPECS = {**MODELS, "gpt2": gpt2_spec(), "bert": bert_spec(), **{n: scale_spec(n) for n in SCALE_MODELS}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -199,6 +206,7 @@ def main(argv=None) -> int:
     spec = SPECS[args.model]
     torch.manual_seed(0)
     model = spec.make()
+    print_host_stamp()
     print(f"{spec.summary}; threads={args.threads}, {args.steps} profiled steps after {args.warmup} warm-up")
     report = {}
     variants = {"off": [False], "on": [True], "both": [False, True]}[args.rewrites]

@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -78,6 +81,9 @@ def main() -> None:
     if args.worker:
         _rank(args.rounds, args.steps)
         return
+    from benchmarks._common import print_host_stamp  # here: worker processes must not import it
+
+    print_host_stamp()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -45,6 +45,7 @@ from benchmarks._common import (
     BareOrt,
     compiled_step,
     ort_trainer_step,
+    print_host_stamp,
     session_options,
     set_torch_threads,
     torch_step,
@@ -194,6 +195,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     set_torch_threads(args.threads)
+    print_host_stamp()
     load_before = os.getloadavg()
     started = time.perf_counter()
     results = []

@@ -8,6 +8,7 @@ at construction (the graph uses a subset of them: unused parameters are never up
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -203,7 +204,7 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
     train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
     if request.device.torch_device.type == "cpu":  # slow single-threaded gradient kernels; CUDA left as is
         unfuse_scaled_sum(train_model)  # the gradient builder's CUDA-only fusion: no CPU kernel
-        apply_training_rewrites(train_model)
+        apply_training_rewrites(train_model, request.session_options.intra_op_num_threads or (os.cpu_count() or 1))
     if mixed is not None:
         strip_loss_scaling(eval_model, mixed)
     return train_model, eval_model, loss_scale_input

@@ -3,9 +3,11 @@
 * Forward graph, before gradient building (`apply_forward_rewrites`, CPU only): `gather_to_gather_nd`,
   `decompose_softmax_cross_entropy`: faster CPU kernels for the same values.
 * Training graph, after gradient building (`apply_training_rewrites`, CPU only): `decompose_gelu_grads`,
-  `decompose_relu_grads`: multi-threaded element-wise ops instead of single-threaded gradient kernels.
+  `decompose_relu_grads`, `decompose_layer_norm_grads`: vectorised, multi-threaded element-wise ops
+  instead of single-threaded gradient kernels.
 
-tests/test_graph_rewrites.py, test_graph_gelu.py and test_graph_relu.py check each one against PyTorch.
+tests/test_graph_rewrites.py, test_graph_gelu.py, test_graph_relu.py and tests/graph/ check each one against
+PyTorch.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import onnx
 from ._cross_entropy import decompose_softmax_cross_entropy
 from ._gather_nd import gather_to_gather_nd
 from ._gelu_grad import decompose_gelu_grads
+from ._layer_norm_grad import decompose_layer_norm_grads
 from ._relu_grad import decompose_relu_grads
 
 __all__ = [
     "apply_forward_rewrites",
     "apply_training_rewrites",
     "decompose_gelu_grads",
+    "decompose_layer_norm_grads",
     "decompose_relu_grads",
     "decompose_softmax_cross_entropy",
     "gather_to_gather_nd",
@@ -32,6 +36,11 @@ def apply_forward_rewrites(model: onnx.ModelProto) -> int:
     return gather_to_gather_nd(model) + decompose_softmax_cross_entropy(model)
 
 
-def apply_training_rewrites(model: onnx.ModelProto) -> int:
-    """The CPU speed rewrites of the training (gradient) graph, in place; returns the number of nodes replaced."""
-    return decompose_gelu_grads(model) + decompose_relu_grads(model)
+def apply_training_rewrites(model: onnx.ModelProto, threads: int = 0) -> int:
+    """The CPU speed rewrites of the training (gradient) graph, in place; returns the number of nodes replaced.
+
+    ``threads``: ORT's intra-op threads (0: unknown, taken as several). On one thread the exact GELU
+    gradient kernel beats its element-wise form, so it is kept (`decompose_gelu_grads`).
+    """
+    gelu = decompose_gelu_grads(model, exact=threads != 1)
+    return gelu + decompose_relu_grads(model) + decompose_layer_norm_grads(model)
