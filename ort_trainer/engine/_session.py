@@ -22,8 +22,10 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from ort_trainer._native_logs import quiet_native_info_logs
 from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
 from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
+from ort_trainer.graph._weightless import shells_to_inputs
 
 from ._memory import release_freed_memory
+from ._progress import BuildProgress
 
 __all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
 
@@ -156,6 +158,7 @@ def build_training_graphs(
     forward: onnx.ModelProto, trainable: Sequence[str], frozen: Sequence[str], outputs: Sequence[str]
 ) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """Gradient graph (with in-place gradient accumulation) and eval graph; ``outputs[0]`` is the loss."""
+    shells_to_inputs(forward, [*trainable, *frozen])  # state as graph inputs before onnxblock copies the graph
     block = _ExistingLoss()
     for name in trainable:
         block.requires_grad(name, True)
@@ -187,24 +190,37 @@ class TrainingSession:
         self._frozen = frozen
         self._trimmed = False  # one malloc_trim after the first training run (see run_train)
         strip_batchnorm_statistics(eval_model, self._bn_stats)
+        self._eval_model, self._session_options = eval_model, session_options
         dump = session_options.optimized_model_filepath  # debug.graph_save_paths: the training graph's, only
         with quiet_native_info_logs():
             self._train = ort.InferenceSession(train_model.SerializeToString(), session_options, device.providers)
-            session_options.optimized_model_filepath = ""
-            try:
-                self._eval = ort.InferenceSession(eval_model.SerializeToString(), session_options, device.providers)
-            finally:
-                session_options.optimized_model_filepath = dump
         self._reset_flags = {flag: np.array([flag]) for flag in (True, False)}  # kept alive: ORT shares them
         self._reset_values = {flag: ort.OrtValue.ortvalue_from_numpy(a) for flag, a in self._reset_flags.items()}
-        state = {**params, **frozen}
-        self._train_io = self._bind_state(self._train, state, grads)
-        self._eval_io = self._bind_state(self._eval, state, {})
-        read = set(self._user_outputs) | {
+        self._state = {**params, **frozen}
+        self._train_io = self._bind_state(self._train, self._state, grads)
+        self._read = set(self._user_outputs) | {
             name for s in self._bn_stats for name in (s.new_mean_output, s.new_var_output, s.input_shape_output)
         }
-        self._train_out = _OutputBinding(self._train, self._train_io, device, read)
-        self._eval_out = _OutputBinding(self._eval, self._eval_io, device, read)
+        self._train_out = _OutputBinding(self._train, self._train_io, device, self._read)
+        self._eval = self._eval_io = self._eval_out = None  # created by the first eval step (_ensure_eval)
+        self._dump = dump
+
+    def _ensure_eval(self) -> None:
+        """Create the eval session on first use: a run that never evaluates never pays for it."""
+        if self._eval is not None:
+            return
+        progress = BuildProgress(1, "ORTTrainer eval session")
+        options = self._session_options
+        with progress.phase("eval session"), quiet_native_info_logs():
+            options.optimized_model_filepath = ""  # debug.graph_save_paths names the training graph's file only
+            try:
+                session = ort.InferenceSession(self._eval_model.SerializeToString(), options, self._device.providers)
+            finally:
+                options.optimized_model_filepath = self._dump
+            io = self._bind_state(session, self._state, {})
+            self._eval_out = _OutputBinding(session, io, self._device, self._read)
+            self._eval, self._eval_io = session, io
+        progress.close()
 
     @property
     def train_input_names(self) -> list[str]:
@@ -235,6 +251,7 @@ class TrainingSession:
         return {name: outputs[name] for name in self._user_outputs}
 
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._ensure_eval()
         outputs = self._run(self._eval, self._eval_io, inputs, self._eval_out)
         return {name: outputs[name] for name in self._user_outputs if name in outputs}
 

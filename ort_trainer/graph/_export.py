@@ -6,6 +6,8 @@ forward pass that would move BatchNorm statistics). The wrapper prefixes initial
 ``model.``; the mapping back to the user's FQNs is computed and checked against the torch
 ``state_dict()``, tied weights included. ``model_desc`` inputs that the exporter drops because
 ``forward`` never reads them are reported (``ExportedModel.unused_inputs``) and fed to nothing.
+The export carries no weights (``export_params=False``): the module's state becomes shell
+initializers (name, type, shape; `_weightless`), whose values the trainer holds in its own buffers.
 Names are canonical (`_names`): what is traced is the plain module, its DDP / ``torch.compile`` /
 checkpoint wrappers removed, and ``get_extra_state`` hidden from the tracer.
 """
@@ -25,6 +27,7 @@ from ort_trainer._names import outer_module, plain_module
 from ort_trainer.model_desc import ModelDescription
 
 from ._forward import ModelWithLoss, module_for_export
+from ._weightless import shell_initializer, strip_data
 
 __all__ = ["ExportedModel", "export_torch_model", "onnx_model_parameters"]
 
@@ -56,7 +59,9 @@ def export_torch_model(
         wrapper = ModelWithLoss(plain, loss_fn, desc)
         wrapper.train()
         try:
-            exported = _trace(wrapper, desc, sample_inputs, opset_version)
+            exported = _trace(wrapper, desc, sample_inputs, opset_version, export_params=False)
+            if not _inputs_to_shells(exported, plain, desc):  # state the module cannot name: export its values
+                exported = _trace(wrapper, desc, sample_inputs, opset_version, export_params=True)
         except Exception as error:  # noqa: BLE001 - explained below (after the module is restored) or re-raised
             failure = error
         else:
@@ -71,7 +76,9 @@ def export_torch_model(
     return result
 
 
-def _trace(wrapper: torch.nn.Module, desc: ModelDescription, sample_inputs, opset_version: int) -> onnx.ModelProto:
+def _trace(
+    wrapper: torch.nn.Module, desc: ModelDescription, sample_inputs, opset_version: int, export_params: bool
+) -> onnx.ModelProto:
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -85,11 +92,37 @@ def _trace(wrapper: torch.nn.Module, desc: ModelDescription, sample_inputs, opse
             opset_version=opset_version,
             do_constant_folding=False,
             training=torch.onnx.TrainingMode.TRAINING,
-            export_params=True,
+            export_params=export_params,
             keep_initializers_as_inputs=False,
             dynamo=False,
         )
     return onnx.load_from_string(buffer.getvalue())
+
+
+def _inputs_to_shells(exported: onnx.ModelProto, module: torch.nn.Module, desc: ModelDescription) -> bool:
+    """Turn the graph inputs that are the module's state into shell initializers, in place.
+
+    With ``export_params=False`` the exporter makes every state tensor a graph input (named as the
+    initializer would be). Returns False, leaving the graph as it is, when an input names no tensor of
+    the module's ``state_dict()`` (the caller then exports with the values).
+    """
+    state = module.state_dict(keep_vars=True)
+    user = set(desc.input_names)
+    shells = []
+    for graph_input in exported.graph.input:
+        if graph_input.name in user:
+            continue
+        fqn = graph_input.name[len(_PREFIX) :] if graph_input.name.startswith(_PREFIX) else None
+        tensor = state.get(fqn) if fqn is not None else None
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        elem_type = graph_input.type.tensor_type.elem_type
+        shells.append(shell_initializer(graph_input.name, elem_type, tensor.shape))
+    kept = [i for i in exported.graph.input if i.name in user]
+    del exported.graph.input[:]
+    exported.graph.input.extend(kept)
+    exported.graph.initializer.extend(shells)
+    return True
 
 
 def _unused_inputs(exported: onnx.ModelProto, desc: ModelDescription) -> tuple[str, ...]:
@@ -168,3 +201,6 @@ def _rename_initializers(result: ExportedModel) -> None:
     result.fqn_to_onnx = {fqn: renames[onnx_name] for fqn, onnx_name in result.fqn_to_onnx.items()}
     result.buffers = {renames[n] for n in result.buffers}
     result.no_grad = {renames[n] for n in result.no_grad}
+    for init in graph.initializer:  # exported with values (the fallback): the trainer holds them already
+        if init.name in result.onnx_to_fqn:
+            strip_data(init)
