@@ -154,6 +154,14 @@ def child(args) -> dict:
         options = {"utils": {"grad_norm_clip": False}}
         if args.share:
             options["utils"]["share_module_parameters"] = True
+        if args.arena == "off":
+            import onnxruntime as ort
+
+            session_options = ort.SessionOptions()
+            session_options.log_severity_level = 3
+            session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            session_options.enable_cpu_mem_arena = False
+            options["session_options"] = session_options
         trainer = ORTTrainer(model, DESC, optim.AdamConfig(lr=1e-3, epsilon=1e-6), loss_fn=_loss, options=options)
         if not args.keep_module:
             del model  # the user's module is theirs to keep or drop; "--keep-module" keeps it, as most scripts do
@@ -198,6 +206,7 @@ def run(args, contender: str, size: str) -> dict:
     command += ["--threads", str(args.threads), "--batch", str(args.batch), "--seq", str(args.seq)]
     command += ["--attn", args.attn] + (["--share"] if args.share else [])
     command += ["--keep-module"] if args.keep_module else []
+    command += ["--arena", args.arena]
     out = subprocess.run(command, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{contender} {size} failed:\n{out.stderr[-4000:]}")
@@ -238,7 +247,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--attn", default="eager", help="GPT-2 attn_implementation (eager or sdpa)")
-    parser.add_argument("--share", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--share", action="store_true", help="ORTTrainer: utils.share_module_parameters=True")
+    parser.add_argument("--arena", default="default", help="ORTTrainer: 'off' disables ORT's CPU memory arena")
     parser.add_argument("--keep-module", action="store_true", help="ORTTrainer: the script keeps its module")
     parser.add_argument("--phases", action="store_true", help="print ORTTrainer's logged build phases")
     parser.add_argument("--fit", action="store_true", help="fit RSS vs parameters, extrapolate to --budget-gib")

@@ -244,18 +244,25 @@ class GraphTransformerOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class UtilsOptions:
-    """``frozen_weights`` (a tuple of parameter names) are not trained."""
+    """``frozen_weights`` (a tuple of parameter names) are not trained.
+
+    ``share_module_parameters`` (ours, default False): the torch module's float parameters and buffers
+    become views of the trainer's buffers, so the weights are held once and the module shows the
+    trained values as training goes (docs/performance.md); by default the module is left as it was.
+    """
 
     _PATH: ClassVar[str] = "utils"
     frozen_weights: tuple[str, ...] = ()
     grad_norm_clip: bool = True
     memory_efficient_gradient: bool = False
     run_symbolic_shape_infer: bool = False
+    share_module_parameters: bool = False
 
     def __post_init__(self) -> None:
         c = Checker(self)
         c.string_list("frozen_weights")
-        for name in ("grad_norm_clip", "memory_efficient_gradient", "run_symbolic_shape_infer"):
+        flags = ("grad_norm_clip", "memory_efficient_gradient", "run_symbolic_shape_infer", "share_module_parameters")
+        for name in flags:
             c.boolean(name)
         c.done()
 

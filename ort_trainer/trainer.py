@@ -21,7 +21,7 @@ from ort_trainer.checkpoint.io import SaveHandle
 from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
 from ort_trainer.engine._session import resolve_device
-from ort_trainer.engine._store import build_store
+from ort_trainer.engine._store import build_store, share_module_state
 from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
 from ort_trainer.optim.config import _OptimizerConfig
 
@@ -102,6 +102,8 @@ class ORTTrainer:
             self._dist,
             self._zero_stage,
         )
+        if self.options.utils.share_module_parameters and isinstance(model, torch.nn.Module):
+            share_module_state(model, self._store)
 
     # ------------------------------------------------------------------ properties
     @property

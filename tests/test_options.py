@@ -58,6 +58,7 @@ DEFAULTS = {
         "grad_norm_clip": True,
         "memory_efficient_gradient": False,
         "run_symbolic_shape_infer": False,
+        "share_module_parameters": False,
     },
     "debug": {
         "deterministic_compute": False,

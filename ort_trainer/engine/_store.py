@@ -26,7 +26,7 @@ from ort_trainer.optim import FlatLayout, FlatOptimizer
 
 from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
 
-__all__ = ["ModelState", "ParamStore", "build_store", "model_state"]
+__all__ = ["ModelState", "ParamStore", "build_store", "model_state", "share_module_state"]
 
 _EXTRA_STATE_SUFFIX = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # "_extra_state"
 
@@ -195,6 +195,33 @@ def _shapes_only(state: ModelState, store: ParamStore) -> None:
     for name, tensor in state.initial.items():
         if tensor.is_floating_point() and state.aliases.get(name) in held:
             state.initial[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def share_module_state(model: torch.nn.Module, store: ParamStore) -> list[str]:
+    """Make the module's float parameters and buffers views of the store's tensors; returns their names.
+
+    ``options.utils.share_module_parameters``: the weights are then held once (the module's own
+    storage is released unless the caller holds it elsewhere), and the module shows the trainer's
+    current values, as a module trained by a torch optimizer would. Tensors whose dtype or device
+    differ from the store's (a float16 buffer, a trainer on another device) keep their own storage.
+    """
+    held = store.weights
+    shared = []
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    with torch.no_grad():
+        for raw, tensor in named:
+            name = store.state.aliases.get(canonical_name(model, raw))
+            target = held.get(name)
+            if target is None or _kind(target) != _kind(tensor):
+                continue
+            if tensor.data_ptr() != target.data_ptr():  # a tied alias is the same tensor: set once
+                tensor.data = target
+                shared.append(name)
+    return shared
+
+
+def _kind(tensor: torch.Tensor) -> tuple:
+    return tensor.dtype, tensor.device, tuple(tensor.shape)
 
 
 def _nothing_to_train(state: ModelState, frozen_weights: Sequence[str]) -> str:
