@@ -154,6 +154,8 @@ def child(args) -> dict:
         options = {"utils": {"grad_norm_clip": False}}
         if args.share:
             options["utils"]["share_module_parameters"] = True
+        if args.arena == "shrink":
+            options["utils"]["shrink_memory_arena"] = True
         if args.arena == "off":
             import onnxruntime as ort
 
@@ -248,7 +250,9 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--attn", default="eager", help="GPT-2 attn_implementation (eager or sdpa)")
     parser.add_argument("--share", action="store_true", help="ORTTrainer: utils.share_module_parameters=True")
-    parser.add_argument("--arena", default="default", help="ORTTrainer: 'off' disables ORT's CPU memory arena")
+    parser.add_argument(
+        "--arena", default="default", help="ORTTrainer: 'shrink' (utils.shrink_memory_arena) or 'off' (no CPU arena)"
+    )
     parser.add_argument("--keep-module", action="store_true", help="ORTTrainer: the script keeps its module")
     parser.add_argument("--phases", action="store_true", help="print ORTTrainer's logged build phases")
     parser.add_argument("--fit", action="store_true", help="fit RSS vs parameters, extrapolate to --budget-gib")

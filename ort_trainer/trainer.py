@@ -417,6 +417,7 @@ class ORTTrainer:
             extra_postprocess=self.options._internal_use.extra_postprocess,
             zero_stage=self._zero_stage,
             mixed_precision=bool(self.options.mixed_precision.enabled),
+            shrink_arena=bool(self.options.utils.shrink_memory_arena),
         )
 
     def _require_engine(self, what: str) -> Engine:

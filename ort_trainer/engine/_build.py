@@ -116,6 +116,7 @@ class BuildRequest:
     extra_postprocess: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None  # _internal_use option
     zero_stage: int = 0
     mixed_precision: bool = False
+    shrink_arena: bool = False  # utils.shrink_memory_arena
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
@@ -145,6 +146,7 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
             request.desc.output_names,
             request.device,
             request.session_options,
+            request.shrink_arena,
         )
     del train_model, forward
     release_freed_memory()  # export/gradient-building scratch, which glibc would otherwise keep resident

@@ -1,4 +1,5 @@
-"""``options.utils.share_module_parameters``: the module's weights are the trainer's (held once)."""
+"""Memory options: ``utils.share_module_parameters`` (the module holds the trainer's weights, held once)
+and ``utils.shrink_memory_arena`` (ONNX Runtime's arena returned after each run)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,18 @@ def test_without_the_option_the_module_keeps_its_own_storage():
     assert not any(_inside(p, trainer._store.params) for p in model.parameters())
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], atol=0, rtol=0)
+
+
+def test_shrinking_the_arena_keeps_the_numbers():
+    torch.manual_seed(3)
+    model = TinyLM(layers=2)
+    lean = ORTTrainer(
+        copy.deepcopy(model), LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss,
+        options={"utils": {"shrink_memory_arena": True}},
+    )  # fmt: skip
+    plain = ORTTrainer(model, LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss)
+    for batch in lm_batches(3):
+        torch.testing.assert_close(lean.train_step(*batch), plain.train_step(*batch), atol=0, rtol=0)
+    key = "memory.enable_memory_arena_shrinkage"
+    assert lean._engine.session._run_options.get_run_config_entry(key) == "cpu:0"
+    torch.testing.assert_close(lean.eval_step(*lm_batches(1)[0]), plain.eval_step(*lm_batches(1)[0]), atol=0, rtol=0)
