@@ -176,3 +176,25 @@ class _WithLoss(torch.nn.Module):
 
     def forward(self, x, label):
         return ce(self.m(x), label)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_a_progress_bar_names_the_running_phase(monkeypatch):
+    from ort_trainer.engine._progress import BuildProgress
+
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    progress = BuildProgress(2, "ORTTrainer build")
+    with progress.phase("export"):
+        pass
+    with progress.phase("gradient graph"):
+        pass
+    total = progress.close()
+    shown = terminal.getvalue()
+    assert "ORTTrainer build: export" in shown and "ORTTrainer build: gradient graph" in shown
+    assert "[1/2 phases" in shown and set(progress.durations) == {"export", "gradient graph"}
+    assert total >= sum(progress.durations.values())
