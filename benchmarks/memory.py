@@ -216,22 +216,30 @@ def run(args, contender: str, size: str) -> dict:
 
 
 def fit(results: list[dict], budget_gib: float) -> str:
-    """Least-squares line RSS = a + b * params per contender, and the largest standard GPT-2 under the budget."""
+    """Per contender: RSS = a + b * params (least squares), the largest standard GPT-2 under the budget,
+    and the most layers at the widths of GPT-2 large (1280) and XL (1600). Extrapolated, not measured."""
     lines = []
     for contender in sorted({r["contender"] for r in results}):
         rows = [r for r in results if r["contender"] == contender]
         if len({r["parameters"] for r in rows}) < 2:
             continue
         for key in ("peak_gib", "steady_gib"):
-            xs, ys = [r["parameters"] for r in rows], [r[key] for r in rows]
-            slope, intercept = _line(xs, ys)
+            slope, intercept = _line([r["parameters"] for r in rows], [r[key] for r in rows])
             fits = [n for n, (lay, wid, _) in SIZES.items() if intercept + slope * parameters(lay, wid) <= budget_gib]
-            largest = fits[-1] if fits else "none"
+            deepest = {w: _most_layers(w, intercept, slope, budget_gib) for w in (1280, 1600)}
             lines.append(
-                f"{contender} {key[:-4]}: {intercept:.2f} GiB + {slope * 1e9:.2f} GiB/1e9 params "
-                f"-> {budget_gib:g} GiB holds up to {largest} (extrapolated)"
+                f"{contender} {key[:-4]}: {intercept:.2f} GiB + {slope * 1e9:.2f} GiB per 1e9 parameters "
+                f"({slope * GIB:.1f} bytes/parameter) -> {budget_gib:g} GiB holds up to GPT-2 "
+                f"{fits[-1] if fits else 'none'}; {deepest[1280]}x1280, {deepest[1600]}x1600 (extrapolated)"
             )
     return "\n".join(lines)
+
+
+def _most_layers(width: int, intercept: float, slope: float, budget_gib: float) -> int:
+    layers = 0
+    while intercept + slope * parameters(layers + 1, width) <= budget_gib:
+        layers += 1
+    return layers
 
 
 def _line(xs, ys):
@@ -257,6 +265,7 @@ def parse_args(argv=None):
     parser.add_argument("--phases", action="store_true", help="print ORTTrainer's logged build phases")
     parser.add_argument("--fit", action="store_true", help="fit RSS vs parameters, extrapolate to --budget-gib")
     parser.add_argument("--budget-gib", type=float, default=24.0)
+    parser.add_argument("--json", help="also write the results (list of dicts) to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -283,6 +292,8 @@ def main(argv=None) -> int:
             )
             if args.phases and r["phases"]:
                 print("\n".join("    " + line for line in r["phases"]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     if args.fit:
         print("\n" + fit(results, args.budget_gib))
     return 0
