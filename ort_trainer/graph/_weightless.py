@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import numpy as np
 import onnx
 import torch
 from onnx import helper, numpy_helper
 
 __all__ = [
+    "checkable",
     "copy_without_data",
     "initializer_data_bytes",
     "shell_initializer",
@@ -98,15 +100,26 @@ def shells_to_inputs(model: onnx.ModelProto, names: Iterable[str]) -> None:
     model.graph.initializer.extend(kept)
 
 
-def with_values(model: onnx.ModelProto, values: Mapping[str, torch.Tensor]) -> onnx.ModelProto:
+def with_values(model: onnx.ModelProto, values: Mapping[str, torch.Tensor | np.ndarray]) -> onnx.ModelProto:
     """A copy of ``model`` whose shell initializers named in ``values`` carry those values (complete model)."""
     filled = copy_without_data(model, ())
     for init in filled.graph.initializer:
         tensor = values.get(init.name)
         if tensor is not None and _is_shell(init):
-            array = tensor.detach().cpu().numpy().astype(helper.tensor_dtype_to_np_dtype(init.data_type))
+            array = tensor.detach().cpu().numpy() if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
+            array = array.astype(helper.tensor_dtype_to_np_dtype(init.data_type))
             init.CopyFrom(numpy_helper.from_array(array, init.name))
     return filled
+
+
+def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose shell initializers hold zeros: ``onnx.checker`` rejects tensors without data."""
+    zeros = {
+        init.name: np.zeros(tuple(init.dims), helper.tensor_dtype_to_np_dtype(init.data_type))
+        for init in model.graph.initializer
+        if _is_shell(init)
+    }
+    return with_values(model, zeros)
 
 
 def _is_shell(init: onnx.TensorProto) -> bool:
