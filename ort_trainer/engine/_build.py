@@ -121,7 +121,7 @@ class BuildRequest:
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
     """Export, graph passes, gradient graph, training session: each phase logged with its duration."""
-    progress = BuildProgress(4, "ORTTrainer build")
+    progress = BuildProgress(5, "ORTTrainer build")
     store = request.store
     with progress.phase("export"):
         forward, graph_names, unused = _forward_model(request, sample_inputs)
@@ -149,7 +149,8 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
             request.shrink_arena,
         )
     del train_model, forward
-    release_freed_memory()  # export/gradient-building scratch, which glibc would otherwise keep resident
+    with progress.phase("free build memory"):
+        release_freed_memory()  # export/gradient-building scratch, which glibc would otherwise keep resident
     progress.close()
     return Engine(
         store=store,
