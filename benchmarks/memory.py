@@ -226,6 +226,7 @@ def fit(results: list[dict], budget_gib: float) -> str:
         for key in ("peak_gib", "steady_gib"):
             slope, intercept = _line([r["parameters"] for r in rows], [r[key] for r in rows])
             fits = [n for n, (lay, wid, _) in SIZES.items() if intercept + slope * parameters(lay, wid) <= budget_gib]
+            fits = fits if slope > 0 else ["n/a (no growth measured)"]
             deepest = {w: _most_layers(w, intercept, slope, budget_gib) for w in (1280, 1600)}
             lines.append(
                 f"{contender} {key[:-4]}: {intercept:.2f} GiB + {slope * 1e9:.2f} GiB per 1e9 parameters "
@@ -235,7 +236,9 @@ def fit(results: list[dict], budget_gib: float) -> str:
     return "\n".join(lines)
 
 
-def _most_layers(width: int, intercept: float, slope: float, budget_gib: float) -> int:
+def _most_layers(width: int, intercept: float, slope: float, budget_gib: float) -> int | str:
+    if slope <= 0:
+        return "n/a (no growth measured)"
     layers = 0
     while intercept + slope * parameters(layers + 1, width) <= budget_gib:
         layers += 1
