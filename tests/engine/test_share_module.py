@@ -25,7 +25,7 @@ def test_shared_module_shows_the_trained_weights_and_matches_torch():
     model = CNN()
     reference = copy.deepcopy(model)
     trainer = ORTTrainer(model, CNN_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=SHARE)
-    assert all(_inside(p, trainer._store.params) for p in model.parameters())
+    assert all(_inside(p, trainer._trainer_state.store.params) for p in model.parameters())
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for x, label in cnn_batches(3):
         got = trainer.train_step(x, label)
@@ -46,7 +46,7 @@ def test_tied_weights_stay_tied_and_loads_reach_the_module():
     model.head.weight = model.embed.weight
     trainer = ORTTrainer(model, LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss, options=SHARE)
     trainer.train_step(*lm_batches(1)[0])
-    assert model.head.weight is model.embed.weight and _inside(model.embed.weight, trainer._store.params)
+    assert model.head.weight is model.embed.weight and _inside(model.embed.weight, trainer._trainer_state.store.params)
     fresh = TinyLM()
     fresh.head.weight = fresh.embed.weight
     trainer.load_state_dict(fresh.state_dict(), strict=False)
@@ -58,7 +58,7 @@ def test_without_the_option_the_module_keeps_its_own_storage():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
     trainer.train_step(*mlp_batches(1)[0])
-    assert not any(_inside(p, trainer._store.params) for p in model.parameters())
+    assert not any(_inside(p, trainer._trainer_state.store.params) for p in model.parameters())
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], atol=0, rtol=0)
 
@@ -74,5 +74,5 @@ def test_shrinking_the_arena_keeps_the_numbers():
     for batch in lm_batches(3):
         torch.testing.assert_close(lean.train_step(*batch), plain.train_step(*batch), atol=0, rtol=0)
     key = "memory.enable_memory_arena_shrinkage"
-    assert lean._engine.session._run_options.get_run_config_entry(key) == "cpu:0"
+    assert lean._trainer_state.engine.session._run_options.get_run_config_entry(key) == "cpu:0"
     torch.testing.assert_close(lean.eval_step(*lm_batches(1)[0]), plain.eval_step(*lm_batches(1)[0]), atol=0, rtol=0)
