@@ -23,7 +23,15 @@ from ..format._h5_writer import save
 from ..sets._manifest import Manifest, file_crc32, read_manifest
 from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve, storage_errors
 
-__all__ = ["FileRecord", "local_inputs", "read_manifest_at", "save_tree", "spool_folder", "write_file"]
+__all__ = [
+    "FileRecord",
+    "local_inputs",
+    "make_parent_folder",
+    "read_manifest_at",
+    "save_tree",
+    "spool_folder",
+    "write_file",
+]
 
 PathLike = str | os.PathLike[str]
 
@@ -42,6 +50,27 @@ def spool_folder() -> Iterator[Path]:
     """A private temporary folder for files on their way to or from remote storage."""
     with tempfile.TemporaryDirectory(prefix="ort_trainer-spool-") as folder:
         yield Path(folder)
+
+
+def make_parent_folder(target: Location) -> None:
+    """Create the folder ``target`` goes into (and its parents), as DCP and orbax do before a save.
+
+    Called where a save is requested (not on a background thread), so ``runs/exp1/step1.ortcp`` works in a
+    fresh ``runs/``. An fsspec folder is made with ``fs.makedirs`` (a no-op on stores without folders).
+    A failure (permissions, a file in the way) is raised as the same ``OSError`` type naming the folder.
+    """
+    folder = target.folder()
+    if not target.remote:
+        if folder.path.is_dir():
+            return
+        try:
+            folder.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise type(exc)(
+                exc.errno, f"cannot save {target.display}: cannot create its folder ({exc.strerror})", folder.display
+            ) from None
+        return
+    folder.make_dirs()
 
 
 def save_tree(tree: Mapping[str, Any], target: Location, *, overwrite: bool) -> None:

@@ -26,6 +26,7 @@ from ort_trainer.graph._fp16_support import model_op_types, provider_fp16_suppor
 from ort_trainer.graph._gradient_fixes import expand_where_inputs
 from ort_trainer.graph._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ort_trainer.graph._passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
+from ort_trainer.graph._scaled_sum import unfuse_scaled_sum
 from ort_trainer.graph._weightless import copy_without_data, strip_data, with_values
 
 from ._memory import release_freed_memory
@@ -117,6 +118,7 @@ class BuildRequest:
     zero_stage: int = 0
     mixed_precision: bool = False
     shrink_arena: bool = False  # utils.shrink_memory_arena
+    horizontal: object | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
@@ -127,6 +129,11 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
         forward, graph_names, unused = _forward_model(request, sample_inputs)
     with progress.phase("forward graph passes"):
         forward, trainable, frozen, bn_stats, label_specs = _prepare_forward(request, forward, graph_names)
+    if request.horizontal is not None:
+        with progress.phase("Megatron segment sessions"):
+            engine = _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs)
+        progress.close()
+        return engine
     with progress.phase("gradient graph"):
         train_model, eval_model, loss_scale_input = _training_graphs(request, forward, trainable, frozen)
         # No optimizer runs inside any graph (it runs in PyTorch over the flat buffers): the "training graph"
@@ -189,6 +196,24 @@ def _prepare_forward(request: BuildRequest, forward: onnx.ModelProto, graph_name
     return forward, trainable, sorted(frozen), bn_stats, label_specs
 
 
+def _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs) -> Engine:
+    """Megatron: the graph cut into segments with collectives between them (ort_trainer.parallel)."""
+    store = request.store
+    store.optimizer.set_idle([name for name in store.layout.names if name not in set(trainable)])
+    session = request.horizontal.build_session(forward, trainable, sorted(frozen), store, request)
+    release_freed_memory()
+    return Engine(
+        store=store,
+        session=session,
+        eval_model=forward,
+        input_dtypes=tuple(t.dtype for t in sample_inputs),
+        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
+        zero_stage=request.zero_stage if store.dist is not None else 0,
+        unused_inputs=unused,
+        label_specs=label_specs,
+    )
+
+
 def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]):
     """Training + eval graphs; with mixed precision, fp16 where the provider supports it and a scaled loss."""
     backprop, loss_scale_input, mixed = [], None, None
@@ -203,6 +228,7 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
     outputs = backprop + _loss_first(request.desc) + [o.name for o in forward.graph.output if o.name not in known]
     train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
     if request.device.torch_device.type == "cpu":  # slow single-threaded gradient kernels; CUDA left as is
+        unfuse_scaled_sum(train_model)  # the gradient builder's CUDA-only fusion: no CPU kernel
         apply_training_rewrites(train_model)
     if mixed is not None:
         strip_loss_scaling(eval_model, mixed)

@@ -26,6 +26,7 @@ from ort_trainer.graph._weightless import shells_to_inputs
 
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
+from ._random import draws_randomness
 
 __all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
 
@@ -204,6 +205,7 @@ class TrainingSession:
         self._bn_stats = list(bn_stats)
         self._frozen = frozen
         self._trimmed = False  # one malloc_trim after the first training run (see run_train)
+        self.draws_randomness = draws_randomness(train_model)  # Dropout: reseeded before every run (`_random`)
         strip_batchnorm_statistics(eval_model, self._bn_stats)
         self._eval_model, self._session_options = eval_model, session_options
         dump = session_options.optimized_model_filepath  # debug.graph_save_paths: the training graph's, only
