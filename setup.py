@@ -54,6 +54,8 @@ EXTRAS_REQUIRE = {
     "safetensors": ["safetensors>=0.8.0,<1"],
     # the scripts in samples/ (loss curves)
     "samples": ["matplotlib>=3.11.2"],
+    # ort_trainer.hf.Trainer: transformers.Trainer on ONNX Runtime (docs/hf.md)
+    "hf": ["transformers>=5.23,<6", "accelerate>=1.1"],
     # everything `make test` / `make lint` need on top of the above (versions locked by requirements.txt)
     "dev": [
         "pytest>=9.2",
@@ -62,6 +64,7 @@ EXTRAS_REQUIRE = {
         "matplotlib>=3.11.2",
         "google-crc32c>=1.9.0",
         "transformers>=5.23,<6",
+        "accelerate>=1.1",
         "fsspec>=2026.9.0",
         "s3fs>=2026.9.0",
         "moto[server]>=5.2.5",
