@@ -35,6 +35,7 @@ from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
 from ort_trainer.graph._export import export_torch_model
 from ort_trainer.graph._gradient_fixes import expand_where_inputs
 from ort_trainer.graph._passes import add_optional_outputs
+from ort_trainer.graph._weightless import with_values
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
 MLP_DESC = {"inputs": [("x", ["batch", "features"]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
@@ -285,7 +286,7 @@ def forward_graph(
     """The forward ONNX graph exactly as ORTTrainer builds it (export + graph passes), and its parameters."""
     desc = validate_model_desc(spec.desc, require_loss=True)
     exported = export_torch_model(copy.deepcopy(model), spec.loss_fn, desc, sample, 17)
-    forward = exported.model
+    forward = with_values(exported.model, model.state_dict())  # the export carries shapes only: add the weights
     if rewrites:
         apply_forward_rewrites(forward)
     add_optional_outputs(forward)

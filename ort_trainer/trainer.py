@@ -23,7 +23,7 @@ from ort_trainer.engine._distributed import DistributedContext
 from ort_trainer.engine._random import agreed_run_seed
 from ort_trainer.engine._session import resolve_device
 from ort_trainer.engine._step import eval_step, train_step
-from ort_trainer.engine._store import build_store
+from ort_trainer.engine._store import build_store, share_module_state
 from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
 from ort_trainer.optim.config import OptimizerConfig
 from ort_trainer.parallel import HorizontalParallel
@@ -102,6 +102,8 @@ class ORTTrainer:
         store = build_store(
             model, optim_config, tuple(options.utils.frozen_weights), device.torch_device, store_dist, zero_stage
         )
+        if options.utils.share_module_parameters and isinstance(model, torch.nn.Module):
+            share_module_state(model, store)  # the module's weights become views of the store's (held once)
         self._trainer_state = TrainerState(
             options=options,
             optim_config=optim_config,
@@ -391,6 +393,7 @@ class ORTTrainer:
             extra_postprocess=self.options._internal_use.extra_postprocess,
             zero_stage=self.options.distributed.deepspeed_zero_optimization.stage,
             mixed_precision=bool(self.options.mixed_precision.enabled),
+            shrink_arena=bool(self.options.utils.shrink_memory_arena),
             horizontal=self._trainer_state.horizontal,
         )
 

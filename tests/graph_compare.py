@@ -14,6 +14,7 @@ from ort_trainer.config.model_desc import validate_model_desc
 from ort_trainer.engine._session import build_training_graphs
 from ort_trainer.graph._export import export_torch_model
 from ort_trainer.graph._passes import add_optional_outputs
+from ort_trainer.graph._weightless import checkable
 
 
 def ort_loss_and_grads(model, loss_fn, desc, batch, rewrite, train_rewrite=None):
@@ -25,7 +26,7 @@ def ort_loss_and_grads(model, loss_fn, desc, batch, rewrite, train_rewrite=None)
     exported = export_torch_model(copy.deepcopy(model), loss_fn, desc, batch, 17)
     forward = exported.model
     changed = rewrite(forward) if rewrite else 0
-    onnx.checker.check_model(forward)
+    onnx.checker.check_model(checkable(forward))
     add_optional_outputs(forward)
     params = [n for n in dict.fromkeys(exported.fqn_to_onnx.values()) if n not in exported.buffers]
     train, _ = build_training_graphs(forward, params, [], list(desc.output_names))

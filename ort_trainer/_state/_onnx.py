@@ -11,6 +11,7 @@ import torch
 from onnx import numpy_helper
 
 from ort_trainer.engine import TrainerState
+from ort_trainer.graph._weightless import with_values
 
 if TYPE_CHECKING:
     from ort_trainer.engine._build import Engine
@@ -28,7 +29,7 @@ def eval_model_with_weights(engine: Engine) -> onnx.ModelProto:
     model.graph.input.extend(kept)
     for name, tensor in state.items():
         model.graph.initializer.append(numpy_helper.from_array(tensor.detach().cpu().numpy(), name))
-    return model
+    return with_values(model, engine.store.weights)  # state kept as shell initializers (a Megatron eval graph)
 
 
 def check_model_export(trainer: TrainerState, inputs: Sequence[torch.Tensor]) -> None:

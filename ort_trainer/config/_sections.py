@@ -249,18 +249,28 @@ class GraphTransformerOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class UtilsOptions:
-    """``frozen_weights`` (a tuple of parameter names) are not trained."""
+    """``frozen_weights`` (a tuple of parameter names) are not trained.
+
+    ``share_module_parameters`` (ours, default False): the torch module's float parameters and buffers
+    become views of the trainer's buffers, so the weights are held once and the module shows the
+    trained values as training goes (docs/performance.md); by default the module is left as it was.
+    ``shrink_memory_arena`` (ours, default False; CPU): ONNX Runtime's arena gives its free memory back
+    after every run, so activations are not kept resident between steps (costs page faults per step).
+    """
 
     _PATH: ClassVar[str] = "utils"
     frozen_weights: tuple[str, ...] = ()
     grad_norm_clip: bool = True
     memory_efficient_gradient: bool = False
     run_symbolic_shape_infer: bool = False
+    share_module_parameters: bool = False
+    shrink_memory_arena: bool = False
 
     def __post_init__(self) -> None:
         c = Checker(self)
         c.string_list("frozen_weights")
-        for name in ("grad_norm_clip", "memory_efficient_gradient", "run_symbolic_shape_infer"):
+        flags = ("grad_norm_clip", "memory_efficient_gradient", "run_symbolic_shape_infer")
+        for name in (*flags, "share_module_parameters", "shrink_memory_arena"):
             c.boolean(name)
         c.done()
 

@@ -2,12 +2,14 @@
 
 Runs once, on the first `train_step`/`eval_step` (the exporter needs real inputs to trace).
 Order: export -> graph passes -> onnxblock -> session over the `ParamStore` buffers the trainer made
-at construction (the graph uses a subset of them: unused parameters are never updated).
+at construction (the graph uses a subset of them: unused parameters are never updated). The graphs
+carry the state as shapes only (`graph._weightless`): the values are in the store, nowhere else.
+Each phase is logged with its duration (`_progress`); the eval session is created on the first
+eval step (`_session`).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,8 +28,10 @@ from ort_trainer.graph._gradient_fixes import expand_where_inputs
 from ort_trainer.graph._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ort_trainer.graph._passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
 from ort_trainer.graph._scaled_sum import unfuse_scaled_sum
+from ort_trainer.graph._weightless import copy_without_data, strip_data, with_values
 
 from ._memory import release_freed_memory
+from ._progress import BuildProgress
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
 from ._store import ParamStore, graph_state_names
 
@@ -114,49 +118,48 @@ class BuildRequest:
     extra_postprocess: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None  # _internal_use option
     zero_stage: int = 0
     mixed_precision: bool = False
+    shrink_arena: bool = False  # utils.shrink_memory_arena
     horizontal: object | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
-    forward, graph_names, unused = _forward_model(request, sample_inputs)
-    forward = _postprocess(request, forward)
-    present = {init.name for init in forward.graph.initializer}
-    graph_names = {onnx_name: name for onnx_name, name in graph_names.items() if onnx_name in present}
-    label_specs = find_label_inputs(forward, request.desc.input_names)
-    if request.device.torch_device.type == "cpu":  # rewrites of slow CPU gradient kernels; CUDA left as is
-        apply_forward_rewrites(forward)
-    bn_stats = surface_batchnorm_statistics(forward)
-    add_optional_outputs(forward)
-    _save_graph(request, "model_after_graph_transforms_path", forward)
+    """Export, graph passes, gradient graph, training session: each phase logged with its duration."""
+    progress = BuildProgress(5, "ORTTrainer build")
     store = request.store
-    trainable, frozen = graph_state_names(store, graph_names)
-    if not trainable:
-        raise ValueError(
-            f"the exported graph uses none of the trainable parameters {list(store.layout.names)}; "
-            "check that the loss depends on them"
-        )
-    expand_where_inputs(forward, set(trainable))  # ORT's Where gradient ignores broadcasting
+    with progress.phase("export"):
+        forward, graph_names, unused = _forward_model(request, sample_inputs)
+    with progress.phase("forward graph passes"):
+        forward, trainable, frozen, bn_stats, label_specs = _prepare_forward(request, forward, graph_names)
     if request.horizontal is not None:
-        return _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs)
-    train_model, eval_model, loss_scale_input = _training_graphs(request, forward, trainable, sorted(frozen))
-    # No optimizer runs inside any graph (it runs in PyTorch over the flat buffers): the "training graph"
-    # that ONNX Runtime runs is the gradient graph, so both debug paths receive it (docs/migrating.md).
-    _save_graph(request, "model_with_gradient_graph_path", train_model)
-    _save_graph(request, "model_with_training_graph_path", train_model)
+        with progress.phase("Megatron segment sessions"):
+            engine = _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs)
+        progress.close()
+        return engine
+    with progress.phase("gradient graph"):
+        train_model, eval_model, loss_scale_input = _training_graphs(request, forward, trainable, frozen)
+        # No optimizer runs inside any graph (it runs in PyTorch over the flat buffers): the "training graph"
+        # that ONNX Runtime runs is the gradient graph, so both debug paths receive it (docs/migrating.md).
+        _save_graph(request, "model_with_gradient_graph_path", train_model)
+        _save_graph(request, "model_with_training_graph_path", train_model)
     used = set(trainable)
     store.optimizer.set_idle([name for name in store.layout.names if name not in used])
-    session = TrainingSession(
-        train_model,
-        eval_model,
-        {name: store.param_views[name] for name in trainable},
-        {name: store.grad_views[name] for name in trainable},
-        {name: store.frozen[name] for name in frozen},
-        bn_stats,
-        request.desc.output_names,
-        request.device,
-        request.session_options,
-    )
-    release_freed_memory()  # export/gradient-building scratch, which glibc would otherwise keep resident
+    with progress.phase("training session"):
+        session = TrainingSession(
+            train_model,
+            eval_model,
+            {name: store.param_views[name] for name in trainable},
+            {name: store.grad_views[name] for name in trainable},
+            {name: store.frozen[name] for name in frozen},
+            bn_stats,
+            request.desc.output_names,
+            request.device,
+            request.session_options,
+            request.shrink_arena,
+        )
+    del train_model, forward
+    with progress.phase("free build memory"):
+        release_freed_memory()  # export/gradient-building scratch, which glibc would otherwise keep resident
+    progress.close()
     return Engine(
         store=store,
         session=session,
@@ -169,6 +172,29 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
         unused_inputs=unused,
         label_specs=label_specs,
     )
+
+
+def _prepare_forward(request: BuildRequest, forward: onnx.ModelProto, graph_names: dict[str, str]):
+    """The forward graph's passes: user postprocess, CPU rewrites, BatchNorm statistics, optional outputs."""
+    store = request.store
+    values = {onnx_name: store.weights[name] for onnx_name, name in graph_names.items() if name in store.weights}
+    forward = _postprocess(request, forward, values)
+    present = {init.name for init in forward.graph.initializer}
+    graph_names = {onnx_name: name for onnx_name, name in graph_names.items() if onnx_name in present}
+    label_specs = find_label_inputs(forward, request.desc.input_names)
+    if request.device.torch_device.type == "cpu":  # rewrites of slow CPU gradient kernels; CUDA left as is
+        apply_forward_rewrites(forward)
+    bn_stats = surface_batchnorm_statistics(forward)
+    add_optional_outputs(forward)
+    _save_graph(request, "model_after_graph_transforms_path", forward, values)
+    trainable, frozen = graph_state_names(store, graph_names)
+    if not trainable:
+        raise ValueError(
+            f"the exported graph uses none of the trainable parameters {list(store.layout.names)}; "
+            "check that the loss depends on them"
+        )
+    expand_where_inputs(forward, set(trainable))  # ORT's Where gradient ignores broadcasting
+    return forward, trainable, sorted(frozen), bn_stats, label_specs
 
 
 def _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs) -> Engine:
@@ -211,24 +237,30 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
 
 
 def _forward_model(request: BuildRequest, sample_inputs) -> tuple[onnx.ModelProto, dict[str, str], tuple[str, ...]]:
-    """The forward ONNX graph, ``{graph initializer: state name}`` for the state it uses, unused inputs."""
+    """The forward ONNX graph (state as shell initializers), ``{initializer: state name}``, unused inputs."""
     if isinstance(request.model, onnx.ModelProto):
-        forward = copy.deepcopy(request.model)
-        names = onnx_model_parameters(forward)
-        return forward, {n: n for n in names}, ()
+        names = onnx_model_parameters(request.model)
+        return copy_without_data(request.model, names), {n: n for n in names}, ()
     exported = export_torch_model(request.model, request.loss_fn, request.desc, sample_inputs, request.opset_version)
     return exported.model, dict(exported.onnx_to_fqn), exported.unused_inputs
 
 
-def _postprocess(request: BuildRequest, forward: onnx.ModelProto) -> onnx.ModelProto:
-    """``_internal_use.extra_postprocess(model) -> model``: the user's last word on the forward graph (legacy)."""
+def _postprocess(request: BuildRequest, forward: onnx.ModelProto, values) -> onnx.ModelProto:
+    """``_internal_use.extra_postprocess(model) -> model``: the user's last word on the forward graph (legacy).
+
+    It gets a complete model (the state's current values filled in), as the legacy trainer gave it;
+    the state's data is dropped again from what it returns (the trainer's buffers hold the values).
+    """
     if request.extra_postprocess is None:
         return forward
-    result = request.extra_postprocess(forward)
+    result = request.extra_postprocess(with_values(forward, values))
     if not isinstance(result, onnx.ModelProto):
         raise TypeError(
             f"options._internal_use.extra_postprocess must return an onnx.ModelProto, got {type(result).__name__}"
         )
+    for init in result.graph.initializer:
+        if init.name in values:
+            strip_data(init)
     return result
 
 
@@ -238,7 +270,8 @@ def _loss_first(desc: ModelDescription) -> list[str]:
     return [loss, *names]
 
 
-def _save_graph(request: BuildRequest, attribute: str, model: onnx.ModelProto) -> None:
+def _save_graph(request: BuildRequest, attribute: str, model: onnx.ModelProto, values=None) -> None:
+    """Write a debug graph (``graph_save_paths``); shell initializers get the state's values (a complete model)."""
     path = getattr(request.graph_save_paths, attribute, "") if request.graph_save_paths is not None else ""
     if path:
-        onnx.save(model, path)
+        onnx.save(with_values(model, values) if values else model, path)

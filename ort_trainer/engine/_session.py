@@ -22,8 +22,10 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from ort_trainer.diagnosis._native_logs import quiet_native_info_logs
 from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
 from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
+from ort_trainer.graph._weightless import shells_to_inputs
 
 from ._memory import release_freed_memory
+from ._progress import BuildProgress
 from ._random import draws_randomness
 
 __all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
@@ -157,6 +159,7 @@ def build_training_graphs(
     forward: onnx.ModelProto, trainable: Sequence[str], frozen: Sequence[str], outputs: Sequence[str]
 ) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """Gradient graph (with in-place gradient accumulation) and eval graph; ``outputs[0]`` is the loss."""
+    shells_to_inputs(forward, [*trainable, *frozen])  # state as graph inputs before onnxblock copies the graph
     block = _ExistingLoss()
     for name in trainable:
         block.requires_grad(name, True)
@@ -165,6 +168,20 @@ def build_training_graphs(
     with quiet_native_info_logs(), onnxblock.base(forward):
         block(*outputs)
     return block.to_model_proto()
+
+
+def _run_options(device: DeviceSpec, shrink_arena: bool) -> ort.RunOptions:
+    """``utils.shrink_memory_arena`` on CPU: the arena's free chunks go back to the OS after every run.
+
+    ONNX Runtime's CPU arena keeps the largest set of activations a run ever needed for the life of
+    the session (GPT-2 124M, batch 2x128: ~0.6 GiB) though nothing lives there between steps, where
+    PyTorch's allocator returns its activations. Shrinking the arena at the end of each run brings
+    steady RSS down to weights, gradients and moments, at the price of fresh pages every step.
+    """
+    options = ort.RunOptions()
+    if shrink_arena and device.torch_device.type == "cpu":
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
 
 
 class TrainingSession:
@@ -181,6 +198,7 @@ class TrainingSession:
         user_outputs: Sequence[str],
         device: DeviceSpec,
         session_options: ort.SessionOptions,
+        shrink_arena: bool = False,
     ):
         self._device = device
         self._user_outputs = list(user_outputs)
@@ -189,24 +207,38 @@ class TrainingSession:
         self._trimmed = False  # one malloc_trim after the first training run (see run_train)
         self.draws_randomness = draws_randomness(train_model)  # Dropout: reseeded before every run (`_random`)
         strip_batchnorm_statistics(eval_model, self._bn_stats)
+        self._eval_model, self._session_options = eval_model, session_options
         dump = session_options.optimized_model_filepath  # debug.graph_save_paths: the training graph's, only
         with quiet_native_info_logs():
             self._train = ort.InferenceSession(train_model.SerializeToString(), session_options, device.providers)
-            session_options.optimized_model_filepath = ""
-            try:
-                self._eval = ort.InferenceSession(eval_model.SerializeToString(), session_options, device.providers)
-            finally:
-                session_options.optimized_model_filepath = dump
         self._reset_flags = {flag: np.array([flag]) for flag in (True, False)}  # kept alive: ORT shares them
         self._reset_values = {flag: ort.OrtValue.ortvalue_from_numpy(a) for flag, a in self._reset_flags.items()}
-        state = {**params, **frozen}
-        self._train_io = self._bind_state(self._train, state, grads)
-        self._eval_io = self._bind_state(self._eval, state, {})
-        read = set(self._user_outputs) | {
+        self._state = {**params, **frozen}
+        self._train_io = self._bind_state(self._train, self._state, grads)
+        self._read = set(self._user_outputs) | {
             name for s in self._bn_stats for name in (s.new_mean_output, s.new_var_output, s.input_shape_output)
         }
-        self._train_out = _OutputBinding(self._train, self._train_io, device, read)
-        self._eval_out = _OutputBinding(self._eval, self._eval_io, device, read)
+        self._train_out = _OutputBinding(self._train, self._train_io, device, self._read)
+        self._eval = self._eval_io = self._eval_out = None  # created by the first eval step (_ensure_eval)
+        self._run_options = _run_options(device, shrink_arena)
+        self._dump = dump
+
+    def _ensure_eval(self) -> None:
+        """Create the eval session on first use: a run that never evaluates never pays for it."""
+        if self._eval is not None:
+            return
+        progress = BuildProgress(1, "ORTTrainer eval session")
+        options = self._session_options
+        with progress.phase("eval session"), quiet_native_info_logs():
+            options.optimized_model_filepath = ""  # debug.graph_save_paths names the training graph's file only
+            try:
+                session = ort.InferenceSession(self._eval_model.SerializeToString(), options, self._device.providers)
+            finally:
+                options.optimized_model_filepath = self._dump
+            io = self._bind_state(session, self._state, {})
+            self._eval_out = _OutputBinding(session, io, self._device, self._read)
+            self._eval, self._eval_io = session, io
+        progress.close()
 
     @property
     def train_input_names(self) -> list[str]:
@@ -226,7 +258,7 @@ class TrainingSession:
         """One forward+backward; gradients accumulate into the bound buffers (overwrite if ``reset_grad``)."""
         io = self._train_io
         io._iobinding.bind_ortvalue_input(_LAZY_RESET, self._reset_values[bool(reset_grad)]._ortvalue)
-        outputs = self._run(self._train, io, inputs, self._train_out)
+        outputs = self._run(self._train, io, inputs, self._train_out, self._run_options)
         if self._bn_stats:
             self._update_batchnorm_statistics(outputs)
         if not self._trimmed:
@@ -237,18 +269,19 @@ class TrainingSession:
         return {name: outputs[name] for name in self._user_outputs}
 
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        outputs = self._run(self._eval, self._eval_io, inputs, self._eval_out)
+        self._ensure_eval()
+        outputs = self._run(self._eval, self._eval_io, inputs, self._eval_out, self._run_options)
         return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     @staticmethod
-    def _run(session, io, inputs, out: _OutputBinding) -> dict[str, torch.Tensor]:
+    def _run(session, io, inputs, out: _OutputBinding, run_options) -> dict[str, torch.Tensor]:
         keep_alive = []
         for name, tensor in inputs.items():
             tensor = tensor.contiguous()
             keep_alive.append(tensor)
             io._iobinding.bind_ortvalue_input(name, _c_ortvalue(tensor))
         fresh = out.prepare()
-        session.run_with_iobinding(io)
+        session.run_with_iobinding(io, run_options)
         del keep_alive
         return out.collect(fresh)
 

@@ -26,7 +26,7 @@ from ort_trainer.optim import FlatLayout, FlatOptimizer
 
 from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
 
-__all__ = ["ModelState", "ParamStore", "build_store", "model_state"]
+__all__ = ["ModelState", "ParamStore", "build_store", "model_state", "share_module_state"]
 
 _EXTRA_STATE_SUFFIX = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX  # "_extra_state"
 
@@ -64,7 +64,7 @@ def model_state(model: torch.nn.Module | onnx.ModelProto) -> ModelState:
         if name.rsplit(".", 1)[-1] == _EXTRA_STATE_SUFFIX:
             extra[name] = copy.deepcopy(value)
             continue
-        initial[name] = value.detach().clone()
+        initial[name] = value.detach() if value.is_floating_point() else value.detach().clone()  # see _shapes_only
         if value.is_floating_point() and name not in aliases:
             first = owner.setdefault(id(value), name)
             aliases[name] = first
@@ -140,6 +140,7 @@ def build_store(
     layout = FlatLayout([(name, tuple(state.initial[name].shape)) for name in trainable])
     zero = ZeroPartition(layout, dist.world_size, dist.rank) if dist is not None and zero_stage > 0 else None
     store = _allocate(state, layout, zero, device, dist)
+    _shapes_only(state, store)
     if zero is not None:
         store.optimizer = ShardedOptimizer(optim_config, zero, store.padded_params, store.padded_grads)
     else:
@@ -180,6 +181,47 @@ def _allocate(state: ModelState, layout: FlatLayout, zero, device: torch.device,
         zero=zero,
         extra_state=copy.deepcopy(state.extra_state),
     )
+
+
+def _shapes_only(state: ModelState, store: ParamStore) -> None:
+    """Keep only the dtype and shape (a meta tensor) of the float state that the store now holds.
+
+    ``ModelState.initial`` referenced the module's own float tensors until `_allocate` copied them
+    into the flat buffers and the frozen state; keeping them (or a clone) would hold a second copy of
+    the weights for the whole run. The values are the store's from here on; the state's dtype is what
+    `state_dict()` converts back to.
+    """
+    held = store.weights
+    for name, tensor in state.initial.items():
+        if tensor.is_floating_point() and state.aliases.get(name) in held:
+            state.initial[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def share_module_state(model: torch.nn.Module, store: ParamStore) -> list[str]:
+    """Make the module's float parameters and buffers views of the store's tensors; returns their names.
+
+    ``options.utils.share_module_parameters``: the weights are then held once (the module's own
+    storage is released unless the caller holds it elsewhere), and the module shows the trainer's
+    current values, as a module trained by a torch optimizer would. Tensors whose dtype or device
+    differ from the store's (a float16 buffer, a trainer on another device) keep their own storage.
+    """
+    held = store.weights
+    shared = []
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    with torch.no_grad():
+        for raw, tensor in named:
+            name = store.state.aliases.get(canonical_name(model, raw))
+            target = held.get(name)
+            if target is None or _kind(target) != _kind(tensor):
+                continue
+            if tensor.data_ptr() != target.data_ptr():  # a tied alias is the same tensor: set once
+                tensor.data = target
+                shared.append(name)
+    return shared
+
+
+def _kind(tensor: torch.Tensor) -> tuple:
+    return tensor.dtype, tensor.device, tuple(tensor.shape)
 
 
 def _nothing_to_train(state: ModelState, frozen_weights: Sequence[str]) -> str:

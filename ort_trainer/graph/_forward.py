@@ -200,14 +200,14 @@ def _check_loss(loss, what: str) -> None:
 # ---------------------------------------------------------------------------------------------- copies
 @contextlib.contextmanager
 def module_for_export(model: torch.nn.Module, *, warn: bool = True) -> Iterator[torch.nn.Module]:
-    """A deep copy of ``model`` to trace; or ``model`` itself (warned) when it cannot be copied.
+    """A deep copy of ``model`` (its parameters shared) to trace; or ``model`` itself (warned) when it cannot be copied.
 
     The tracing forward switches modes and, in training mode, moves BatchNorm statistics: when the
     original is used, its modes and buffers are restored on the way out, so the user's module is left
     as it was.
     """
-    try:
-        copied = copy.deepcopy(model)
+    try:  # parameters are shared, not copied: tracing reads them, and a copy would cost the model's size
+        copied = copy.deepcopy(model, {id(p): p for p in model.parameters()})
     except Exception as error:  # noqa: BLE001 - any failure to copy (locks, files, C handles) means: use the original
         if warn:
             _warn_not_copyable(model, error)

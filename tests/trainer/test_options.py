@@ -59,6 +59,8 @@ DEFAULTS = {
         "grad_norm_clip": True,
         "memory_efficient_gradient": False,
         "run_symbolic_shape_infer": False,
+        "share_module_parameters": False,
+        "shrink_memory_arena": False,
     },
     "debug": {
         "deterministic_compute": False,

@@ -1,0 +1,78 @@
+"""Memory options: ``utils.share_module_parameters`` (the module holds the trainer's weights, held once)
+and ``utils.shrink_memory_arena`` (ONNX Runtime's arena returned after each run)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ort_trainer import ORTTrainer, optim
+from tests.models import CNN, CNN_DESC, MLP, MLP_DESC, TinyLM, cnn_batches, lm_batches, lm_loss, mlp_batches
+
+ce = torch.nn.functional.cross_entropy
+LM_DESC = {"inputs": [("tokens", ["batch", "seq"]), ("label", ["batch", "seq"])], "outputs": [("loss", [], True)]}
+SHARE = {"utils": {"share_module_parameters": True}}
+
+
+def _inside(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+    start = flat.data_ptr()
+    return start <= tensor.data_ptr() < start + flat.numel() * flat.element_size()
+
+
+def test_shared_module_shows_the_trained_weights_and_matches_torch():
+    torch.manual_seed(0)
+    model = CNN()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, CNN_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=SHARE)
+    assert all(_inside(p, trainer._trainer_state.store.params) for p in model.parameters())
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, label in cnn_batches(3):
+        got = trainer.train_step(x, label)
+        opt.zero_grad()
+        expected = ce(reference(x), label)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)
+    for name, value in reference.state_dict().items():  # running statistics included (shared float buffers)
+        if value.is_floating_point():  # integer buffers (num_batches_tracked) are counted by the trainer only
+            torch.testing.assert_close(model.state_dict()[name], value, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(trainer.state_dict(pytorch_format=True)[name], value, atol=1e-5, rtol=1e-5)
+
+
+def test_tied_weights_stay_tied_and_loads_reach_the_module():
+    torch.manual_seed(1)
+    model = TinyLM()
+    model.head.weight = model.embed.weight
+    trainer = ORTTrainer(model, LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss, options=SHARE)
+    trainer.train_step(*lm_batches(1)[0])
+    assert model.head.weight is model.embed.weight and _inside(model.embed.weight, trainer._trainer_state.store.params)
+    fresh = TinyLM()
+    fresh.head.weight = fresh.embed.weight
+    trainer.load_state_dict(fresh.state_dict(), strict=False)
+    torch.testing.assert_close(model.embed.weight, fresh.embed.weight, atol=0, rtol=0)
+
+
+def test_without_the_option_the_module_keeps_its_own_storage():
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    trainer.train_step(*mlp_batches(1)[0])
+    assert not any(_inside(p, trainer._trainer_state.store.params) for p in model.parameters())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], atol=0, rtol=0)
+
+
+def test_shrinking_the_arena_keeps_the_numbers():
+    torch.manual_seed(3)
+    model = TinyLM(layers=2)
+    lean = ORTTrainer(
+        copy.deepcopy(model), LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss,
+        options={"utils": {"shrink_memory_arena": True}},
+    )  # fmt: skip
+    plain = ORTTrainer(model, LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss)
+    for batch in lm_batches(3):
+        torch.testing.assert_close(lean.train_step(*batch), plain.train_step(*batch), atol=0, rtol=0)
+    key = "memory.enable_memory_arena_shrinkage"
+    assert lean._trainer_state.engine.session._run_options.get_run_config_entry(key) == "cpu:0"
+    torch.testing.assert_close(lean.eval_step(*lm_batches(1)[0]), plain.eval_step(*lm_batches(1)[0]), atol=0, rtol=0)
