@@ -19,13 +19,14 @@ it in the same order).
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
 
 from ort_trainer.checkpoint.errors import CheckpointExistsError
-from ort_trainer.checkpoint.io import AsyncWriter, Location, SaveHandle, save_tree
+from ort_trainer.checkpoint.io import AsyncWriter, LocalLocation, Location, SaveHandle, save_tree
 from ort_trainer.checkpoint.sets._writer import plan_set_save, write_set
 
 __all__ = ["CheckpointIO", "write_checkpoint"]
@@ -102,6 +103,7 @@ def write_checkpoint(
     its own thread (the caller waits with ``io.writer.wait_for_snapshot()`` before changing them).
     """
     label = target.display
+    target = _pinned(target)
     if ctx is None:
         _check_single_target(target, overwrite)
         if not async_save:
@@ -118,6 +120,15 @@ def write_checkpoint(
     coordination = io.checkpoint_group(ctx.rank, ctx.world_size)
     snapshot, finish = io.writer.snapshot.take(state, defer)
     return io.writer.submit(lambda: write_set(plan, coordination, snapshot, step), label, prepare=finish)
+
+
+def _pinned(target: Location) -> Location:
+    """A relative local path made absolute now: a background save must not follow a later ``os.chdir``."""
+    if target.remote or target.path.is_absolute():
+        return target
+    pinned = LocalLocation(os.path.abspath(target.path))
+    pinned.display = target.display
+    return pinned
 
 
 def _save_one(tree: Mapping[str, Any], target: Location, overwrite: bool) -> list[str]:

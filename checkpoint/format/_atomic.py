@@ -214,6 +214,7 @@ def save_atomically(path: Path, overwrite: bool, write: Callable[[LockedTempFile
     try:
         with LockedTempFile(tmp_name) as tmp:
             write(tmp)
+            tmp.unlock()
             publish(tmp.path, path, overwrite)
             tmp.keep()
     except BaseException as exc:

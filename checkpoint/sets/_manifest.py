@@ -36,6 +36,7 @@ __all__ = [
     "file_crc32",
     "is_manifest",
     "manifest_bytes",
+    "manifest_checksum",
     "manifest_path",
     "rank_checkpoint_path",
     "rank_file_name",
@@ -193,8 +194,12 @@ def read_manifest(path: PathLike) -> Manifest:
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: no such manifest file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such manifest file (removed while it was read)") from None
+    try:
+        data = json.loads(text.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # invalid JSON or UTF-8, too deep, an int of > 4300 digits
         raise CheckpointFormatError(f"{path} is not a checkpoint manifest (invalid JSON: {exc})") from None
     fmt = data.get(S.MANIFEST_FORMAT_KEY) if isinstance(data, Mapping) else None
     if fmt != S.MANIFEST_FORMAT_NAME:
@@ -204,7 +209,10 @@ def read_manifest(path: PathLike) -> Manifest:
     version = data.get(S.MANIFEST_FORMAT_VERSION_KEY)
     if _is_int(version) and version > S.MANIFEST_FORMAT_VERSION:
         raise CheckpointVersionError(f"{path}: manifest version {version} is newer than {S.MANIFEST_FORMAT_VERSION}")
-    problems = _problems(data) or ([] if version == S.MANIFEST_FORMAT_VERSION else [f"bad version {version!r}"])
+    if version == S.MANIFEST_FORMAT_VERSION:
+        _check_checksum(path, data)
+        data = {k: v for k, v in data.items() if k != S.MANIFEST_CHECKSUM_KEY}
+    problems = _problems(data) or ([] if version in (1, S.MANIFEST_FORMAT_VERSION) else [f"bad version {version!r}"])
     if problems:
         raise CheckpointFormatError(f"{path}: invalid manifest: " + "; ".join(problems))
     entries = sorted(
@@ -217,6 +225,19 @@ def read_manifest(path: PathLike) -> Manifest:
         step=data[S.MANIFEST_STEP_KEY],
         files=tuple(entries),
     )
+
+
+def _check_checksum(path: Path, data: Mapping[str, Any]) -> None:
+    """Version 2 manifests carry a CRC-32 of every other field: any edit (the step, a size) is damage."""
+    stored = data.get(S.MANIFEST_CHECKSUM_KEY)
+    if not _is_int(stored) or stored > 0xFFFFFFFF:
+        raise CheckpointCorruptError(
+            f"{path}: manifest field '{S.MANIFEST_CHECKSUM_KEY}' is {stored!r}, expected a CRC-32"
+        )
+    if (actual := manifest_checksum(data)) != stored:
+        raise CheckpointCorruptError(
+            f"{path}: manifest checksum mismatch ({actual:#010x} != {stored:#010x}): a manifest field was changed"
+        )
 
 
 def check_manifest(path: PathLike, *, checksums: bool = True) -> Manifest:
@@ -246,6 +267,8 @@ def is_manifest(path: PathLike) -> bool:
     path = Path(os.fspath(path))
     if path.name.endswith(S.MANIFEST_SUFFIX):
         return True
+    if not path.is_file():  # a FIFO would block the read below
+        return False
     try:
         with open(path, "rb") as fh:
             return fh.read(64).lstrip().startswith(b"{")
@@ -253,12 +276,20 @@ def is_manifest(path: PathLike) -> bool:
         return False
 
 
+def manifest_checksum(doc: Mapping[str, Any]) -> int:
+    """CRC-32 of every field of a manifest (its canonical JSON without the checksum field)."""
+    fields = {k: v for k, v in doc.items() if k != S.MANIFEST_CHECKSUM_KEY}
+    return zlib.crc32(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
 def manifest_bytes(manifest: Manifest) -> bytes:
     """The JSON text of ``manifest``, after the same validation readers apply (ValueError listing problems)."""
-    problems = _problems(manifest.to_json())
+    doc = manifest.to_json()
+    problems = _problems(doc)
     if problems:
         raise ValueError(f"invalid manifest for {manifest.path}: " + "; ".join(problems))
-    return (json.dumps(manifest.to_json(), indent=1) + "\n").encode("utf-8")
+    doc[S.MANIFEST_CHECKSUM_KEY] = manifest_checksum(doc)
+    return (json.dumps(doc, indent=1) + "\n").encode("utf-8")
 
 
 def write_manifest(
