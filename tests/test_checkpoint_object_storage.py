@@ -243,8 +243,8 @@ def test_overwrite_false_on_s3_is_enforced_by_the_store_against_a_concurrent_wri
     url = f"{bucket}/{uuid.uuid4().hex}/ck.ortcp"
     first, second = _trainer(), _trainer()
     first.train_step(*BATCHES[0])
-    # the second writer's existence check ran before the first writer's upload finished
-    monkeypatch.setattr(checkpoint.io.RemoteLocation, "refuse_existing", lambda self, overwrite: None)
+    # every existence check (at the call, before the upload) ran before the other writer's upload finished
+    monkeypatch.setattr(checkpoint.io.RemoteLocation, "exists", lambda self: False)
     first.save_checkpoint(url)
     with pytest.raises(checkpoint.CheckpointExistsError, match="already exists"):
         second.save_checkpoint(url)
