@@ -43,12 +43,16 @@ def _open_fd(path: Path) -> Iterator[tuple[BinaryIO, os.stat_result]]:
         raise CheckpointNotFoundError(f"{path}: no such checkpoint file") from None
     except OSError as exc:
         raise CheckpointStorageError(f"{path}: cannot open the checkpoint ({exc})") from exc
-    with os.fdopen(fd, "rb") as fh:
+    try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
             raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file")
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointFormatError(f"{path} is not a regular file (a FIFO, socket or device); not a checkpoint")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as fh:
         yield fh, st
 
 

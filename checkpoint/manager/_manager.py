@@ -125,8 +125,10 @@ class CheckpointManager:
         """
         self._raise_pending()
         step = trainer.train_step_info.step if step is None else step
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-            raise ValueError(f"step must be an int from 0 to {MAX_STEP} (18 digits), got {step!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if step > MAX_STEP:
+            raise ValueError(f"step must be at most {MAX_STEP} (18 digits: the names of the checkpoints), got {step}")
         metrics = check_metrics(metrics)
         trainer.wait_for_checkpoint()  # the previous save (and its pruning) first; raises its error
         self._raise_pending()
@@ -165,9 +167,12 @@ class CheckpointManager:
     def _refuse_lower_step(self, step: int) -> None:
         """A save below the newest checkpoint would be pruned as old (or hidden by it from :meth:`restore`).
 
-        Checked on every rank (all see the directory), so that all refuse together.
+        Only the manager's own checkpoints count (listed by the index and present: a foreign file named like
+        one, or a save that never completed, does not). Checked on every rank (all see the directory and
+        its index), so that all refuse together.
         """
         newer = [s for s in scan(self.directory.list_names()) if s > step]
+        newer = [s for s in newer if s in read_index(self._index)] if newer else []
         if newer:
             raise ValueError(
                 f"cannot save step {step} in {self.directory.display}: it already holds checkpoint step "
