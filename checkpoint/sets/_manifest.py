@@ -209,12 +209,13 @@ def read_manifest(path: PathLike) -> Manifest:
     version = data.get(S.MANIFEST_FORMAT_VERSION_KEY)
     if _is_int(version) and version > S.MANIFEST_FORMAT_VERSION:
         raise CheckpointVersionError(f"{path}: manifest version {version} is newer than {S.MANIFEST_FORMAT_VERSION}")
-    if version == S.MANIFEST_FORMAT_VERSION:
-        _check_checksum(path, data)
-        data = {k: v for k, v in data.items() if k != S.MANIFEST_CHECKSUM_KEY}
-    problems = _problems(data) or ([] if version in (1, S.MANIFEST_FORMAT_VERSION) else [f"bad version {version!r}"])
+    fields = {k: v for k, v in data.items() if k != S.MANIFEST_CHECKSUM_KEY or version == 1}
+    problems = _problems(fields) or ([] if version in (1, S.MANIFEST_FORMAT_VERSION) else [f"bad version {version!r}"])
     if problems:
         raise CheckpointFormatError(f"{path}: invalid manifest: " + "; ".join(problems))
+    if version == S.MANIFEST_FORMAT_VERSION:  # a structurally valid manifest whose values were edited
+        _check_checksum(path, data)
+    data = fields
     entries = sorted(
         (ManifestEntry(**{k: e[k] for k in S.MANIFEST_FILE_KEYS}) for e in data["files"]), key=lambda e: e.rank
     )

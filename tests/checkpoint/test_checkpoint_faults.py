@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from ort_trainer.checkpoint import CheckpointManager
-from ort_trainer.checkpoint.format import _atomic, _h5_writer
+from ort_trainer.checkpoint.format import _atomic, _tempfile
 
 from ort_trainer import ORTTrainer, checkpoint, optim
 from tests.models import MLP, MLP_DESC, mlp_batches
@@ -78,18 +78,18 @@ def test_a_reader_opening_the_file_right_after_it_is_published_reads_it(tmp_path
 def test_a_child_forked_during_a_save_does_not_keep_the_checkpoint_locked(tmp_path, monkeypatch):
     """A DataLoader worker forked while a save runs inherits its descriptors (and so its lock)."""
     path = tmp_path / "ck.ortcp"
-    real_write = _h5_writer.write_checkpoint_file
+    real_init = _tempfile.LockedTempFile.__init__
     children = []
 
-    def write_and_fork(tmp, max_leaves, write_body):
-        real_write(tmp, max_leaves, write_body)
+    def lock_and_fork(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
         pid = os.fork()
         if pid == 0:  # the child only sleeps, holding every descriptor it inherited
             time.sleep(20)
             os._exit(0)
         children.append(pid)
 
-    monkeypatch.setattr(_h5_writer, "write_checkpoint_file", write_and_fork)
+    monkeypatch.setattr(_tempfile.LockedTempFile, "__init__", lock_and_fork)
     try:
         checkpoint.save(TREE, path)
         assert torch.equal(checkpoint.load(path)["w"], TREE["w"])  # while the child lives
