@@ -78,6 +78,7 @@ def test_loads_while_another_process_overwrites_see_the_old_or_the_new_file(tmp_
     while not (tmp_path / "ck.ortcp").exists():
         time.sleep(0.01)
     outcomes = _read_while(writer, lambda: tmp_path / "ck.ortcp")
+    print("overwrite:", outcomes)
     assert set(outcomes) == {"ok"} and outcomes["ok"] > 50, outcomes
 
 
@@ -89,4 +90,5 @@ def test_loads_of_files_pruned_meanwhile_are_ok_or_not_found(tmp_path):
         return tmp_path / names[-1] if names else None
 
     outcomes = _read_while(writer, newest)
+    print("prune:", outcomes)
     assert set(outcomes) <= {"ok", "not found"} and outcomes.get("ok", 0) > 50, outcomes
