@@ -66,7 +66,7 @@ def _read_while(writer: subprocess.Popen, pick) -> dict[str, int]:
         except checkpoint.CheckpointNotFoundError:
             outcome = "not found"
         except Exception as exc:  # noqa: BLE001 - every other outcome is a failure to count and show
-            outcome = f"{type(exc).__name__}: {str(exc)[:160]}"
+            outcome = f"{type(exc).__name__}: {str(exc).replace(str(path), '<file>')[:160]}"
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     out, err = writer.communicate()
     assert writer.returncode == 0, err[-3000:]
