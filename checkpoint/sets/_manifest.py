@@ -250,12 +250,18 @@ def check_manifest(path: PathLike, *, checksums: bool = True) -> Manifest:
     problems = []
     for entry, file in zip(manifest.files, manifest.rank_paths(), strict=True):
         where = f"rank {entry.rank} file {file}"
-        if not file.is_file():
+        try:
+            if not file.is_file():
+                problems.append(f"{where} is missing")
+            elif (size := file.stat().st_size) != entry.size:
+                problems.append(f"{where} has {size} bytes, the manifest says {entry.size}")
+            elif checksums and (crc := file_crc32(file)) != entry.crc32:
+                stored = f"{entry.crc32:#010x}"
+                problems.append(f"{where}: CRC-32 {crc:#010x} != {stored} in the manifest (the file changed)")
+        except FileNotFoundError:  # removed since is_file()
             problems.append(f"{where} is missing")
-        elif (size := file.stat().st_size) != entry.size:
-            problems.append(f"{where} has {size} bytes, the manifest says {entry.size}")
-        elif checksums and (crc := file_crc32(file)) != entry.crc32:
-            problems.append(f"{where}: CRC-32 {crc:#010x} != {entry.crc32:#010x} in the manifest (the file changed)")
+    if problems and not manifest.path.exists():  # pruned (manifest first, then its files) while we checked
+        raise CheckpointNotFoundError(f"{manifest.path}: the checkpoint set was removed while it was checked")
     if problems:
         raise CheckpointCorruptError(
             f"{manifest.path}: the checkpoint set is incomplete or damaged:\n  - " + "\n  - ".join(problems)

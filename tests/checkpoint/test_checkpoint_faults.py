@@ -386,3 +386,19 @@ def test_hostile_manifest_values_are_checkpoint_errors(tmp_path, hostile):
     path.write_text(hostile)
     with pytest.raises(checkpoint.CheckpointFormatError, match="manifest"):
         checkpoint.read_manifest(path)
+
+
+def test_a_set_pruned_while_its_manifest_is_checked_is_not_found(tmp_path, monkeypatch):
+    path = _manifest(tmp_path)
+    real_crc = checkpoint.sets._manifest.file_crc32
+
+    def pruned_meanwhile(file):
+        if path.exists():  # the manager removes the manifest first, then the rank files
+            path.unlink()
+            for rank_file in tmp_path.glob("ck.rank*"):
+                rank_file.unlink()
+        return real_crc(file)
+
+    monkeypatch.setattr(checkpoint.sets._manifest, "file_crc32", pruned_meanwhile)
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match="removed while it was checked"):
+        checkpoint.check_manifest(path)
