@@ -23,12 +23,12 @@ import torch
 
 import ort_trainer.engine._build as _build
 from ort_trainer import ORTTrainer, optim
-from ort_trainer._native_logs import quiet_native_info_logs
+from ort_trainer.config.model_desc import validate_model_desc
+from ort_trainer.diagnosis._native_logs import quiet_native_info_logs
 from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
 from ort_trainer.graph._export import export_torch_model
 from ort_trainer.graph._gradient_fixes import expand_where_inputs
 from ort_trainer.graph._passes import add_optional_outputs
-from ort_trainer.model_desc import validate_model_desc
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
 MLP_DESC = {"inputs": [("x", ["batch", "features"]), ("label", ["batch"])], "outputs": [("loss", [], True)]}

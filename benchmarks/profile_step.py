@@ -76,7 +76,7 @@ def profile_ort(spec, model, args, rewrites: bool) -> dict:
         step, trainer = ort_trainer_step(spec, model, options, rewrites, batches[0])
         for i in range(args.warmup):
             step(batches[i % len(batches)])
-        engine = trainer._engine  # the benchmark reaches into the engine to time its two halves
+        engine = trainer._trainer_state.engine  # the benchmark reaches into the engine to time its two halves
         run_times, update_times, step_times = [], [], []
         engine.session.run_train = _timed(engine.session.run_train, run_times)
         engine.optimizer.step = _timed(engine.optimizer.step, update_times)

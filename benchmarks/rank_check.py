@@ -1,4 +1,4 @@
-"""Cost of the per-step rank agreement check (`ort_trainer._state._ranks`).
+"""Cost of the per-step rank agreement check (`ort_trainer.engine._rank_check`).
 
 Every ``train_step`` on W > 1 ranks runs one all-gather of 4 int64 per rank (launched before the
 forward/backward, waited for after it), so that a ``load_state_dict`` / ``load_checkpoint`` run on only
@@ -28,7 +28,7 @@ def _rank(rounds: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    import ort_trainer._state as state
+    import ort_trainer.engine._rank_check as state
     from ort_trainer import ORTTrainer, optim
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -52,7 +52,7 @@ def _rank(rounds: int, steps: int) -> None:
     state.start_rank_check = original
     start = time.perf_counter()
     for _ in range(200):
-        state.check_ranks_agree(trainer)
+        state.check_ranks_agree(trainer._trainer_state)
     alone = (time.perf_counter() - start) / 200 * 1e3
     if rank == 0:
         with_check, without = statistics.median(times["with check"]), statistics.median(times["without"])

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from . import _state, _updates
+from . import _updates
+from . import state as _state
 from ._updates import Buffers, Group, Run
 from .config import _OptimizerConfig
 from .layout import FlatLayout

@@ -16,7 +16,7 @@ from enum import IntEnum, unique
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["AdamConfig", "DecayMode", "LambConfig", "SGDConfig"]
+__all__ = ["AdamConfig", "DecayMode", "LambConfig", "OptimizerConfig", "SGDConfig"]
 
 _OPTIMIZER_NAMES = ("AdamOptimizer", "LambOptimizer", "SGDOptimizer")
 
@@ -82,8 +82,8 @@ def _decay_mode(field: str, value: Any) -> DecayMode:
 
 
 # --------------------------------------------------------------------- base class
-class _OptimizerConfig:
-    """Base of the optimizer configurations (legacy `optim._OptimizerConfig`).
+class OptimizerConfig:
+    """Base of the optimizer configurations (legacy `optim.OptimizerConfig`).
 
     Args:
         name: 'AdamOptimizer', 'LambOptimizer' or 'SGDOptimizer'.
@@ -191,7 +191,7 @@ class _OptimizerConfig:
 
 
 # ----------------------------------------------------------------- the configs
-class SGDConfig(_OptimizerConfig):
+class SGDConfig(OptimizerConfig):
     """Plain SGD, w -= lr * g. No parameter groups: `params` must be empty."""
 
     def __init__(self, params: Sequence[Mapping[str, Any]] | None = None, lr: float = 0.001):
@@ -203,7 +203,7 @@ class SGDConfig(_OptimizerConfig):
         super().__init__(name="SGDOptimizer", params=None, defaults={"lr": lr})
 
 
-class AdamConfig(_OptimizerConfig):
+class AdamConfig(OptimizerConfig):
     """Adam with the legacy backend semantics (see `optim._flat_optimizer`).
 
     Args: params (parameter groups), lr, alpha (beta1), beta (beta2), lambda_coef (weight decay),
@@ -255,7 +255,7 @@ class AdamConfig(_OptimizerConfig):
         self.weight_decay_mode = d["weight_decay_mode"]
 
 
-class LambConfig(_OptimizerConfig):
+class LambConfig(OptimizerConfig):
     """LAMB with the legacy backend semantics (see `optim._flat_optimizer`).
 
     Args: params (parameter groups), lr, alpha (beta1), beta (beta2), lambda_coef (weight decay),
@@ -312,3 +312,7 @@ class LambConfig(_OptimizerConfig):
         self.alpha, self.beta, self.lambda_coef, self.epsilon = d["alpha"], d["beta"], d["lambda"], d["epsilon"]
         self.ratio_min, self.ratio_max = d["ratio_min"], d["ratio_max"]
         self.max_norm_clip, self.do_bias_correction = d["max_norm_clip"], d["do_bias_correction"]
+
+
+# The legacy ORTTrainer spelled the base class `_OptimizerConfig`; the old name keeps working.
+_OptimizerConfig = OptimizerConfig

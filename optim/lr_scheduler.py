@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "ConstantWarmupLRScheduler",
     "CosineWarmupLRScheduler",
+    "LRScheduler",
     "LinearWarmupLRScheduler",
     "PolyWarmupLRScheduler",
 ]
@@ -27,7 +28,7 @@ def _check_number(owner: str, field: str, value: Any, low: float, high: float = 
     return float(value)
 
 
-class _LRScheduler:
+class LRScheduler:
     """Base class: subclasses implement `get_lr(train_step_info) -> float`."""
 
     def __init__(self, total_steps: int, warmup: float):
@@ -90,7 +91,7 @@ def _step_and_base(info: Any) -> tuple[int, float]:
     return info.optimization_step, float(info.optimizer_config.lr)
 
 
-class ConstantWarmupLRScheduler(_LRScheduler):
+class ConstantWarmupLRScheduler(LRScheduler):
     """Linear warmup to the base rate, then constant."""
 
     def __init__(self, total_steps: int, warmup: float = 0.002):
@@ -102,7 +103,7 @@ class ConstantWarmupLRScheduler(_LRScheduler):
         return base * (1.0 if factor is None else factor)
 
 
-class CosineWarmupLRScheduler(_LRScheduler):
+class CosineWarmupLRScheduler(LRScheduler):
     """Linear warmup, then cosine decay over `cycles` periods (0.5: one half cosine down to 0)."""
 
     def __init__(self, total_steps: int, cycles: float = 0.5, warmup: float = 0.002):
@@ -124,7 +125,7 @@ class CosineWarmupLRScheduler(_LRScheduler):
         return base * factor
 
 
-class LinearWarmupLRScheduler(_LRScheduler):
+class LinearWarmupLRScheduler(LRScheduler):
     """Linear warmup, then linear decay to 0 at `total_steps`."""
 
     def __init__(self, total_steps: int, warmup: float = 0.002):
@@ -139,7 +140,7 @@ class LinearWarmupLRScheduler(_LRScheduler):
         return base * factor
 
 
-class PolyWarmupLRScheduler(_LRScheduler):
+class PolyWarmupLRScheduler(LRScheduler):
     """Linear warmup, then polynomial decay (`power`) from the base rate to `lr_end`."""
 
     def __init__(self, total_steps: int, lr_end: float = 1e-7, power: float = 1.0, warmup: float = 0.002):
@@ -164,3 +165,7 @@ class PolyWarmupLRScheduler(_LRScheduler):
         warmup_steps = self.warmup * self.total_steps
         remaining = 1.0 - (step - warmup_steps) / (self.total_steps - warmup_steps)
         return base * (((base - self.lr_end) * remaining**self.power + self.lr_end) / base)
+
+
+# The legacy ORTTrainer spelled the base class `_LRScheduler`; the old name keeps working.
+_LRScheduler = LRScheduler

@@ -9,7 +9,7 @@ folders (mapped by ``package_dir`` in ``setup.py``).
 
 from . import amp, checkpoint, optim
 from ._state import StateDictOptions
-from .options import ORTTrainerOptions
+from .config import ORTTrainerOptions
 from .train_step_info import TrainStepInfo
 from .trainer import ORTTrainer
 

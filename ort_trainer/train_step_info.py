@@ -27,7 +27,7 @@ def _as_int(name: str, value: Any) -> int:
 def _check_optimizer_config(value: Any) -> Any:
     """Accept an ``optim.config._OptimizerConfig`` (or, while optim is unavailable, anything with .lr/.name)."""
     try:
-        from ort_trainer.optim.config import _OptimizerConfig as config_cls
+        from ort_trainer.optim.config import OptimizerConfig as config_cls
     except ImportError:  # optim not importable (yet): fall back to duck typing
         config_cls = None
     if config_cls is not None:

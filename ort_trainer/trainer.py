@@ -1,13 +1,12 @@
 """`ORTTrainer`: train a PyTorch module or an ONNX model with ONNX Runtime.
 
-Public methods validate their arguments, then delegate to short private steps. The heavy lifting
-lives elsewhere: `_build` (export + graphs + buffers), `_session` (ORT runs), `optim` (updates),
-`_state` (state dicts) and `checkpoint` (files).
+A thin facade: public methods validate their arguments, then hand the trainer's `TrainerState` to the
+rooms that do the work: `engine._build` (export + graphs + buffers), `engine._step` (the step and its
+distributed update), `_state` (state dicts, checkpoints through `checkpoint/`).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -18,21 +17,21 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.io import SaveHandle
+from ort_trainer.engine import TrainerState
 from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
 from ort_trainer.engine._session import resolve_device
+from ort_trainer.engine._step import eval_step, train_step
 from ort_trainer.engine._store import build_store
 from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
-from ort_trainer.optim.config import _OptimizerConfig
+from ort_trainer.optim.config import OptimizerConfig
 
 from . import _state
-from ._checkpoint_io import CheckpointIO
-from ._checkpointing import load_trainer_checkpoint, save_trainer_checkpoint
-from ._input_checks import check_input_tensors, check_labels, check_onnx_io, explain_run_errors
-from ._names import outer_module
-from ._state import StateDictOptions
-from .model_desc import ModelDescription, check_inputs, validate_model_desc
-from .options import ORTTrainerOptions
+from ._state import StateDictOptions, load_trainer_checkpoint, save_trainer_checkpoint
+from .config.model_desc import ModelDescription, check_inputs, validate_model_desc
+from .config.options import ORTTrainerOptions
+from .diagnosis import check_input_tensors, check_onnx_io
+from .graph._names import outer_module
 from .train_step_info import TrainStepInfo
 
 __all__ = ["ORTTrainer"]
@@ -50,7 +49,7 @@ class ORTTrainer:
         self,
         model: torch.nn.Module | onnx.ModelProto,
         model_desc: Mapping[str, Any],
-        optim_config: _OptimizerConfig,
+        optim_config: OptimizerConfig,
         loss_fn: Callable | None = None,
         options: ORTTrainerOptions | Mapping[str, Any] | None = None,
     ):
@@ -60,58 +59,74 @@ class ORTTrainer:
             raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
         if loss_fn is not None and isinstance(model, onnx.ModelProto):
             raise ValueError("loss_fn is not allowed with an ONNX model: the loss must be an output of the graph")
-        if not isinstance(optim_config, _OptimizerConfig):
+        if not isinstance(optim_config, OptimizerConfig):
             raise TypeError(
                 "optim_config must be an optim.AdamConfig, optim.LambConfig or optim.SGDConfig, "
                 f"got {type(optim_config).__name__}"
             )
-        self.options = ORTTrainerOptions(options)
-        self.options.check_implemented()
-        self.options.debug.graph_save_paths.check_writable()
-        self.model_desc: ModelDescription = validate_model_desc(model_desc, require_loss=True)
+        options = ORTTrainerOptions(options)
+        options.check_implemented()
+        options.debug.graph_save_paths.check_writable()
+        model_desc = validate_model_desc(model_desc, require_loss=True)
         if isinstance(model, torch.nn.Module):  # model_desc names must be forward()'s parameters (legacy rule)
-            bind_forward_inputs(outer_module(model), model_input_names(self.model_desc, loss_fn))
-        self.optim_config = optim_config
-        self.loss_fn = loss_fn
-        self._model = model
-        self._device = resolve_device(self.options.device.id, self.options.provider_options)
-        self._zero_stage = self.options.distributed.deepspeed_zero_optimization.stage
-        if self._zero_stage > 0 and optim_config.name == "LambOptimizer":
+            bind_forward_inputs(outer_module(model), model_input_names(model_desc, loss_fn))
+        device = resolve_device(options.device.id, options.provider_options)
+        zero_stage = options.distributed.deepspeed_zero_optimization.stage
+        if zero_stage > 0 and optim_config.name == "LambOptimizer":
             raise NotImplementedError(
                 "ZeRO with LAMB is not implemented yet: LAMB's per-tensor trust ratio needs norms of whole "
                 "tensors, which ZeRO splits across ranks; use AdamConfig or SGDConfig, or zero stage 0"
             )
-        dist_options = self.options.distributed
-        self._dist = (
-            DistributedContext(dist_options.world_rank, dist_options.world_size, self._device.torch_device)
+        dist_options = options.distributed
+        dist = (
+            DistributedContext(dist_options.world_rank, dist_options.world_size, device.torch_device)
             if dist_options.world_size > 1
             else None
         )
-        self._train_step_info = TrainStepInfo(optim_config)
-        self._closed = False
-        self._engine: Engine | None = None
-        self._checkpoint_io: CheckpointIO | None = None  # created by the first save_checkpoint
         if isinstance(model, onnx.ModelProto):
-            check_onnx_io(model, self.model_desc)
+            check_onnx_io(model, model_desc)
         # The whole state exists from here on (parameters, optimizer, frozen state), before any graph.
-        self._store = build_store(
-            model,
-            optim_config,
-            tuple(self.options.utils.frozen_weights),
-            self._device.torch_device,
-            self._dist,
-            self._zero_stage,
+        store = build_store(
+            model, optim_config, tuple(options.utils.frozen_weights), device.torch_device, dist, zero_stage
+        )
+        self._trainer_state = TrainerState(
+            options=options,
+            optim_config=optim_config,
+            model_desc=model_desc,
+            loss_fn=loss_fn,
+            model=model,
+            device=device,
+            store=store,
+            train_step_info=TrainStepInfo(optim_config),
+            dist=dist,
         )
 
     # ------------------------------------------------------------------ properties
     @property
+    def options(self) -> ORTTrainerOptions:
+        return self._trainer_state.options
+
+    @property
+    def optim_config(self) -> OptimizerConfig:
+        return self._trainer_state.optim_config
+
+    @property
+    def model_desc(self) -> ModelDescription:
+        """The model description; typed (input/output dtypes) once the graphs are built."""
+        return self._trainer_state.model_desc
+
+    @property
+    def loss_fn(self) -> Callable | None:
+        return self._trainer_state.loss_fn
+
+    @property
     def train_step_info(self) -> TrainStepInfo:
         """Counters of this run (``step``, ``optimization_step``), ``all_finite`` and the ``fetches`` list."""
-        return self._train_step_info
+        return self._trainer_state.train_step_info
 
     @property
     def is_built(self) -> bool:
-        return self._engine is not None
+        return self._trainer_state.engine is not None
 
     # ------------------------------------------------------------------ steps
     def train_step(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
@@ -124,32 +139,7 @@ class ORTTrainer:
         self._check_background_save()
         inputs = self._gather_inputs(args, kwargs)
         engine = self._ensure_built(inputs)
-        # Every rank, every step: raise on all ranks if they loaded different states. The check's collective
-        # runs while this step's forward/backward does; it is settled before anything is committed.
-        pending_check = _state.start_rank_check(self)
-        self._check_fetches()
-        info = self._train_step_info
-        step = info.step + 1  # committed only once the run succeeded
-        accumulation = self.options.batch.gradient_accumulation_steps
-        feeds = self._feeds(engine, inputs)
-        scaler = self.options.mixed_precision.loss_scaler if engine.loss_scale_input else None
-        if scaler is not None:  # constant over an accumulation cycle: the scaler moves only at updates
-            feeds[engine.loss_scale_input] = torch.tensor(
-                scaler.loss_scale, dtype=torch.float32, device=engine.params.device
-            )
-        with explain_run_errors(engine.label_specs, engine.input_shapes, self.model_desc.input_names, inputs, feeds):
-            outputs = engine.session.run_train(feeds, (step - 1) % accumulation == 0)
-        _state.finish_rank_check(self, pending_check)
-        info.step = step
-        if engine.bn_stats:
-            self._store.batches_tracked += 1
-        if step % accumulation == 0:
-            info.all_finite = self._update(engine, self._current_lr(), accumulation, scaler)
-            if info.all_finite:
-                info.optimization_step += 1
-            if scaler is not None:
-                scaler.update(info)
-        return self._select_outputs(outputs)
+        return self._select_outputs(train_step(self._trainer_state, engine, inputs))
 
     def eval_step(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         """Forward pass of the eval graph (dropout off, BatchNorm with running statistics)."""
@@ -157,11 +147,7 @@ class ORTTrainer:
         self._check_background_save()
         inputs = self._gather_inputs(args, kwargs)
         engine = self._ensure_built(inputs)
-        self._check_fetches()
-        feeds = self._feeds(engine, inputs)
-        with explain_run_errors(engine.label_specs, engine.input_shapes, self.model_desc.input_names, inputs, feeds):
-            outputs = engine.session.run_eval(feeds)
-        return self._select_outputs(outputs)
+        return self._select_outputs(eval_step(self._trainer_state, engine, inputs))
 
     # ------------------------------------------------------------------ export
     def save_as_onnx(self, path: str | os.PathLike) -> None:
@@ -189,7 +175,9 @@ class ORTTrainer:
         or torch's ``StateDictOptions``): ``full_state_dict``, ``cpu_offload``, ``ignore_frozen_params``,
         ``keep_submodule_prefixes``; ``submodules``: only these submodules' keys (names or modules).
         """
-        return _state.trainer_state_dict(self, pytorch_format=pytorch_format, options=options, submodules=submodules)
+        return _state.trainer_state_dict(
+            self._trainer_state, pytorch_format=pytorch_format, options=options, submodules=submodules
+        )
 
     def load_state_dict(
         self, state_dict: Mapping, strict: bool = True, *, options: StateDictOptions | Any = None
@@ -201,7 +189,7 @@ class ORTTrainer:
         ``options.broadcast_from_rank0``: rank 0's full state goes to every rank (call it on every rank).
         """
         self._before_changing_state()
-        return _state.load_trainer_state_dict(self, state_dict, strict=strict, options=options)
+        return _state.load_trainer_state_dict(self._trainer_state, state_dict, strict=strict, options=options)
 
     def optimizer_state_dict(self, options: StateDictOptions | Any = None) -> dict:
         """The optimizer state in ``torch.optim``'s format: ``{"state": {fqn: {"step", "exp_avg",
@@ -209,7 +197,7 @@ class ORTTrainer:
 
         ValueError for configs torch cannot express (LAMB, Adam decay mode 1, no bias correction).
         """
-        return _state.optimizer_state_dict(self, options)
+        return _state.optimizer_state_dict(self._trainer_state, options)
 
     def load_optimizer_state_dict(
         self,
@@ -226,7 +214,9 @@ class ORTTrainer:
         Hyper-parameters must match this trainer's config; anything else raises and changes nothing.
         """
         self._before_changing_state()
-        return _state.load_optimizer_state_dict(self, state_dict, model=model, optimizer=optimizer, strict=strict)
+        return _state.load_optimizer_state_dict(
+            self._trainer_state, state_dict, model=model, optimizer=optimizer, strict=strict
+        )
 
     def save_checkpoint(
         self,
@@ -255,7 +245,7 @@ class ORTTrainer:
         """
         self._require_open("save_checkpoint")
         return save_trainer_checkpoint(
-            self,
+            self._trainer_state,
             path,
             user_dict,
             include_optimizer_states,
@@ -282,7 +272,12 @@ class ORTTrainer:
         """
         self._require_open("load_checkpoint")
         return load_trainer_checkpoint(
-            self, paths, strict=strict, allow_pickle=allow_pickle, stateful=stateful, storage_options=storage_options
+            self._trainer_state,
+            paths,
+            strict=strict,
+            allow_pickle=allow_pickle,
+            stateful=stateful,
+            storage_options=storage_options,
         )
 
     def wait_for_checkpoint(self) -> None:
@@ -291,8 +286,8 @@ class ORTTrainer:
         Call it before tearing down a process group you created yourself: a distributed asynchronous
         save agrees on its manifest over the process group in the background.
         """
-        if self._checkpoint_io is not None:
-            self._checkpoint_io.wait()
+        if self._trainer_state.checkpoint_io is not None:
+            self._trainer_state.checkpoint_io.wait()
 
     def close(self) -> None:
         """Let go of the process group; the last trainer using a group that ort_trainer created destroys it.
@@ -302,32 +297,33 @@ class ORTTrainer:
         ``torch.distributed.destroy_process_group()`` on every rank when you are done with it. Idempotent;
         a closed trainer refuses steps, saves and loads (``state_dict()`` still works).
         """
+        state = self._trainer_state
         try:
-            if self._checkpoint_io is not None:  # a background save agrees over the process group: finish it first
-                self._checkpoint_io.wait()
+            if state.checkpoint_io is not None:  # a background save agrees over the process group: finish it first
+                state.checkpoint_io.wait()
         finally:
-            if self._dist is not None:
-                self._dist.close()
-            self._closed = True
+            if state.dist is not None:
+                state.dist.close()
+            state.closed = True
+
+    def all_gather_objects(self, value: Any) -> list:
+        """``value`` of every rank, in rank order (``[value]`` in a single process): how `CheckpointManager`
+        makes every rank restore the same checkpoint (call it on every rank)."""
+        dist = self._trainer_state.dist
+        return [value] if dist is None else dist.all_gather_objects(value)
 
     # ------------------------------------------------------------------ private steps
-    def _all_gather_objects(self, value: Any) -> list:
-        """``value`` of every rank, in rank order (``[value]`` in a single process); used by CheckpointManager."""
-        return [value] if self._dist is None else self._dist.all_gather_objects(value)
-
     def _check_background_save(self) -> None:
         """Raise the error of a finished asynchronous save nobody has been told about yet (never blocks)."""
-        if self._checkpoint_io is not None:
-            self._checkpoint_io.check()
+        if self._trainer_state.checkpoint_io is not None:
+            self._trainer_state.checkpoint_io.check()
 
     def _before_changing_state(self) -> None:
         """An asynchronous save may still be copying the live buffers: wait for that copy (and report its error)."""
-        if self._checkpoint_io is not None:
-            self._checkpoint_io.check()
-            self._checkpoint_io.wait_for_snapshot()
+        self._trainer_state.wait_for_snapshot()
 
     def _require_open(self, what: str) -> None:
-        if self._closed:
+        if self._trainer_state.closed:
             raise RuntimeError(f"{what}: this trainer was closed (ORTTrainer.close()); build a new one to continue")
 
     def _gather_inputs(self, args: Sequence, kwargs: Mapping) -> list[torch.Tensor]:
@@ -348,98 +344,49 @@ class ORTTrainer:
             raise ValueError(f"missing inputs {missing}; model_desc inputs are {list(names)}")
         check_inputs(self.model_desc, inputs)
         check_input_tensors(names, inputs)  # dtypes: model_desc holds the graph's input dtypes after the first step
-        return [t.to(self._device.torch_device) if t.device != self._device.torch_device else t for t in inputs]
-
-    def _feeds(self, engine: Engine, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Graph inputs by name; inputs the graph does not read are dropped, labels checked against classes."""
-        names = self.model_desc.input_names
-        feeds = {n: t for n, t in zip(names, inputs, strict=True) if n not in engine.unused_inputs}
-        check_labels(engine.label_specs, feeds)
-        return feeds
+        device = self._trainer_state.device.torch_device
+        return [t.to(device) if t.device != device else t for t in inputs]
 
     def _ensure_built(self, inputs: Sequence[torch.Tensor]) -> Engine:
-        if self._engine is not None:
-            return self._engine
+        state = self._trainer_state
+        if state.engine is not None:
+            return state.engine
         self._before_changing_state()
-        self._engine = build_engine(self._build_request(), inputs)
+        state.engine = build_engine(self._build_request(), inputs)
         try:
-            if self.options.debug.check_model_export:
-                _state.check_model_export(self, inputs)
+            if state.options.debug.check_model_export:
+                _state.check_model_export(state, inputs)
         except BaseException:
-            self._engine = None
+            state.engine = None
             raise
-        self.model_desc = self._engine.typed_description(self.model_desc)  # legacy: dtypes known from now on
-        return self._engine
-
-    def _update(self, engine: Engine, lr: float, accumulation: int, scaler=None) -> bool:
-        """Average gradients over micro-steps and ranks, clip, update (ZeRO: own range, then all-gather).
-
-        Gradients hold the sum over micro-steps and ranks, times the loss scale; dividing by all of that
-        is folded into the optimizer's gradient divisor, which keeps clipping exactly as on averaged,
-        unscaled gradients (reference §5.3). With a loss scaler, a step whose gradients are not all
-        finite is skipped (weights, moments and counters untouched); returns whether it ran.
-        """
-        if self._checkpoint_io is not None:  # an asynchronous save may still be copying weights and moments
-            self._checkpoint_io.wait_for_snapshot()
-        clip = self.options.utils.grad_norm_clip
-        ctx, world, norm = engine.dist, 1, None
-        if ctx is not None:
-            world = ctx.world_size
-            if engine.zero is not None and engine.zero_stage >= 2:
-                ctx.reduce_to_owners_(engine.padded_grads, engine.zero.chunk)
-                own = engine.padded_grads[engine.zero.rank * engine.zero.chunk :][: engine.zero.chunk]
-                if clip or scaler is not None:
-                    norm = math.sqrt(ctx.sum_scalar(float(own.double().square().sum())))
-            else:
-                ctx.all_reduce_(engine.padded_grads)
-        if norm is None and (scaler is not None or (clip and engine.zero is not None)):
-            norm = float(torch.linalg.vector_norm(engine.grads))
-        if norm is not None and not math.isfinite(norm):
-            return False
-        scale = float(scaler.loss_scale) if scaler is not None else 1.0
-        engine.optimizer.step(lr, loss_scale=scale * accumulation * world, clip=clip, grad_norm=norm)
-        if engine.zero is not None:
-            ctx.all_gather_chunks_(engine.padded_params, engine.zero.chunk)
-        return True
+        state.model_desc = state.engine.typed_description(state.model_desc)  # legacy: dtypes known from now on
+        return state.engine
 
     def _build_request(self) -> BuildRequest:
         return BuildRequest(
-            model=self._model,
+            model=self._trainer_state.model,
             loss_fn=self.loss_fn,
             desc=self.model_desc,
-            store=self._store,
+            store=self._trainer_state.store,
             opset_version=self.options._internal_use.onnx_opset_version,
-            device=self._device,
+            device=self._trainer_state.device,
             session_options=session_options_for(self.options),
             graph_save_paths=self.options.debug.graph_save_paths,
             extra_postprocess=self.options._internal_use.extra_postprocess,
-            zero_stage=self._zero_stage,
+            zero_stage=self.options.distributed.deepspeed_zero_optimization.stage,
             mixed_precision=bool(self.options.mixed_precision.enabled),
         )
 
     def _require_engine(self, what: str) -> Engine:
-        if self._engine is None:
+        if self._trainer_state.engine is None:
             raise RuntimeError(
                 f"{what} needs the ONNX graphs, which are built on the first train_step or eval_step; "
                 "run one step first"
             )
-        return self._engine
-
-    def _current_lr(self) -> float:
-        scheduler = self.options.lr_scheduler
-        if scheduler is None:
-            return float(self.optim_config.lr)
-        return float(scheduler._step(self._train_step_info)[0])
-
-    def _check_fetches(self) -> None:
-        unknown = sorted(set(self._train_step_info.fetches or []) - set(self.model_desc.output_names))
-        if unknown:
-            raise ValueError(
-                f"fetches {unknown} are not outputs of the model; available: {list(self.model_desc.output_names)}"
-            )
+        return self._trainer_state.engine
 
     def _select_outputs(self, outputs: Mapping[str, torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
-        fetches = list(self._train_step_info.fetches or [])
+        fetches = list(self._trainer_state.train_step_info.fetches or [])
         names = fetches or [n for n in self.model_desc.output_names if n in outputs]
         results = [outputs[n] for n in names]
         return results[0] if len(results) == 1 else results

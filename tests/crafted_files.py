@@ -23,13 +23,14 @@ import h5py
 import numpy as np
 import torch
 from h5py import h5d, h5p, h5s, h5t
+
+from ort_trainer import checkpoint as C
 from ort_trainer.checkpoint.format import _h5_lowlevel as ll
 from ort_trainer.checkpoint.format import _schema as S
 from ort_trainer.checkpoint.format._checksum import for_version
 from ort_trainer.checkpoint.format._h5_index import Node, tree_digest
 from ort_trainer.checkpoint.format._header import write_header
-
-from ort_trainer import checkpoint as C
+from tests.builders import legacy_trainer_options
 
 __all__ = ["ACCEPTED", "CASES", "SET_READERS", "TARGET", "base_tree", "build", "restamp"]
 
@@ -41,15 +42,7 @@ _ATTRS = (CHECKSUM.attr, S.ATTR_PY_TYPE, S.ATTR_TORCH_DTYPE)
 def base_tree() -> dict:
     """What ``ORTTrainer.save_checkpoint`` writes for a ``Linear(4, 3)`` before its first step."""
     gen = torch.Generator().manual_seed(0)
-    options = {
-        "mixed_precision": False,
-        "zero_stage": 0,
-        "world_rank": 0,
-        "world_size": 1,
-        "optimizer_name": "AdamOptimizer",
-        "data_parallel_size": 1,
-        "horizontal_parallel_size": 1,
-    }
+    options = legacy_trainer_options()
     return {
         "model": {"full_precision": {"0.weight": torch.randn(3, 4, generator=gen), "0.bias": torch.zeros(3)}},
         "train_step_info": {"optimization_step": 0, "step": 0},
@@ -305,8 +298,11 @@ CASES: dict[str, tuple[Callable[[Path], Path], str, frozenset | None]] = {
         r"torch_dtype",
         None,
     ),
-    "checksum_attribute_missing": (_file(_tensor(lambda g, n: g.create_dataset(n, data=np.zeros(3, "f4")), None)),
-                                   r"no valid crc32c attribute|checksum mismatch", None),
+    "checksum_attribute_missing": (
+        _file(_tensor(lambda g, n: g.create_dataset(n, data=np.zeros(3, "f4")), None)),
+        r"no valid crc32c attribute|checksum mismatch",
+        None,
+    ),
     # point 3: world sizes far beyond the files present
     "rank_file_world_size_2**40": (_file(_world_size(2**40)), r"world_size 1099511627776", SET_READERS),
     "trainer_options_world_size_str": (

@@ -15,9 +15,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from ort_trainer.checkpoint import CheckpointManager
 
 from ort_trainer import ORTTrainer, checkpoint, optim
+from ort_trainer.checkpoint import CheckpointManager
 from tests.models import MLP, MLP_DESC, mlp_batches
 
 

@@ -1,6 +1,7 @@
 """One checkpoint file: the HDF5 format (see ``FORMAT.md`` beside this file).
 
-- ``_schema``: key names, attribute names and typed records (the only place they are spelled);
+- ``_schema``: key names, attribute names and typed records (the only place they are spelled); public
+  as ``format.schema``;
 - ``_codec``: one value <-> one HDF5 dataset, key escaping;
 - ``_checksum``: per-dataset checksums (CRC-32C; CRC-32 for format version 1) and their verification;
 - ``_header``: the checksummed header in the HDF5 user block, checked before HDF5 parses anything;
@@ -14,6 +15,7 @@
 - ``_storage``: the small storage interface the trainer talks to (HDF5 and in-memory).
 """
 
+from . import _schema as schema
 from ._h5_reader import CheckpointReader, DatasetInfo, load, open_checkpoint
 from ._h5_writer import cleanup_temp_files, save
 from ._schema import FORMAT_NAME, FORMAT_VERSION, LEGACY_FORMAT_VERSION, PartitionInfo, TrainerOptionsRecord
@@ -39,4 +41,5 @@ __all__ = [
     "load",
     "open_checkpoint",
     "save",
+    "schema",
 ]

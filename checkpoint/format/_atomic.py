@@ -1,10 +1,11 @@
 """The life of one save's file: a locked temporary file, written, reserved, stamped, synced, published.
 
-Order inside :func:`save_atomically`: remove stale temporary files in the folder, create and lock the
-temporary file, let the caller fill it (:func:`write_checkpoint_file`: HDF5 writes the metadata, the
-array bytes are written here with their checksum computed on the way, the whole file's space is
-reserved before HDF5 flushes its metadata, then the header is stamped and the file fsynced), publish it
-under the final name in one atomic step, fsync the folder.
+Two nested ``with`` blocks, no callbacks: :func:`atomic_file` removes stale temporary files in the
+folder, creates and locks the temporary file, and publishes it under the final name in one atomic step
+(then fsyncs the folder) when its block ends cleanly; inside it, :func:`checkpoint_body` gives the writer
+the HDF5 file (HDF5 writes the metadata, the array bytes are written by :class:`RawWriter` with their
+checksum computed on the way) and on the way out reserves the whole file's space before HDF5 flushes its
+metadata, stamps the header and fsyncs the file.
 
 Why the array bytes do not go through HDF5: an I/O error inside HDF5 (a full disk) can surface when it
 closes a dataset or the file, and HDF5 then keeps handles that crash the process when freed. Here every
@@ -19,7 +20,7 @@ import contextlib
 import errno
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Iterator
 from functools import cache
 from importlib import metadata
 from pathlib import Path
@@ -35,7 +36,7 @@ from ._h5_index import Node, tree_digest
 from ._header import userblock_size, write_header
 from ._tempfile import LockedTempFile, remove_stale_temp_files, temp_path
 
-__all__ = ["RawWriter", "fsync_path", "publish", "save_atomically", "write_checkpoint_file"]
+__all__ = ["CheckpointBody", "RawWriter", "atomic_file", "checkpoint_body", "fsync_path", "publish"]
 
 CHECKSUM = CRC32C  # what every new file carries (format version 2)
 _ERRNO_IN_TEXT = re.compile(r"errno = (\d+)")
@@ -120,29 +121,47 @@ def _create_h5(path: Path, ub_size: int) -> h5py.File:
     return h5py.File(h5f.create(os.fsencode(path), h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
 
 
-def write_checkpoint_file(
-    tmp: LockedTempFile, max_leaves: int, write_body: Callable[[h5py.File, RawWriter], Node]
-) -> None:
-    """Fill the locked temporary file: ``write_body(f, raw) -> root index`` creates every object; then
-    the root attributes, the structure digest, the space reservation, the header and an fsync."""
-    ub_size = userblock_size(max_leaves)
-    raw = RawWriter(tmp.fd)
-    f = _create_h5(tmp.path, ub_size)
-    try:
-        root = write_body(f, raw)
+class CheckpointBody:
+    """The HDF5 file inside the locked temporary file while the writer creates its objects.
+
+    The writer creates every group and dataset through ``file`` (array bytes through ``raw``) and sets
+    ``root`` to the index it built; :func:`checkpoint_body` then writes the root attributes, the
+    structure digest, reserves the file's space, stamps the header and fsyncs.
+    """
+
+    def __init__(self, tmp: LockedTempFile, max_leaves: int) -> None:
+        self.tmp, self.ub_size = tmp, userblock_size(max_leaves)
+        self.raw = RawWriter(tmp.fd)
+        self.file = _create_h5(tmp.path, self.ub_size)
+        self.root: Node | None = None
+
+    def _finish(self) -> None:
+        if self.root is None:
+            raise RuntimeError(f"the writer of {self.tmp.path.name} did not set the root index")
         root_attrs = {
             S.ATTR_FORMAT: S.FORMAT_NAME,
             S.ATTR_FORMAT_VERSION: S.FORMAT_VERSION,
             S.ATTR_LIBRARY_VERSION: library_version(),
         }
-        f.attrs.update(root_attrs)
-        f.attrs[S.ATTR_TREE_CRC32] = np.uint32(tree_digest(root, root_attrs))
-        _reserve(tmp.fd, f.id.get_filesize(), raw.ranges)
+        self.file.attrs.update(root_attrs)
+        self.file.attrs[S.ATTR_TREE_CRC32] = np.uint32(tree_digest(self.root, root_attrs))
+        _reserve(self.tmp.fd, self.file.id.get_filesize(), self.raw.ranges)
+
+
+@contextlib.contextmanager
+def checkpoint_body(tmp: LockedTempFile, max_leaves: int) -> Iterator[CheckpointBody]:
+    """Fill the locked temporary file: the caller creates every object through the yielded body and
+    sets its ``root``; on the way out, the root attributes, the structure digest, the space
+    reservation, the header and an fsync."""
+    body = CheckpointBody(tmp, max_leaves)
+    try:
+        yield body
+        body._finish()
     except BaseException:
-        _close_quietly(f)
+        _close_quietly(body.file)
         raise
-    f.close()
-    write_header(tmp.path, ub_size, raw.ranges)
+    body.file.close()
+    write_header(tmp.path, body.ub_size, body.raw.ranges)
     os.fsync(tmp.fd)
 
 
@@ -203,8 +222,10 @@ def _is_io_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and bool(_ERRNO_IN_TEXT.search(str(exc))))
 
 
-def save_atomically(path: Path, overwrite: bool, write: Callable[[LockedTempFile], None]) -> None:
-    """Run ``write(tmp)`` on a fresh locked temporary file next to ``path``, then publish it as ``path``.
+@contextlib.contextmanager
+def atomic_file(path: Path, overwrite: bool) -> Iterator[LockedTempFile]:
+    """A fresh locked temporary file next to ``path`` for the caller to fill; published as ``path`` when
+    the ``with`` block ends without an error (the commit).
 
     Any failure removes the temporary file and leaves ``path`` as it was; OS and HDF5 I/O failures
     (a full disk, a file size limit) are raised as :class:`CheckpointWriteError`.
@@ -213,7 +234,7 @@ def save_atomically(path: Path, overwrite: bool, write: Callable[[LockedTempFile
     tmp_name = temp_path(path)
     try:
         with LockedTempFile(tmp_name) as tmp:
-            write(tmp)
+            yield tmp
             tmp.unlock()
             publish(tmp.path, path, overwrite)
             tmp.keep()

@@ -18,11 +18,10 @@ import h5py
 from h5py import h5g
 
 from . import _h5_lowlevel as ll
-from ._atomic import RawWriter, save_atomically, write_checkpoint_file
+from ._atomic import RawWriter, atomic_file, checkpoint_body
 from ._codec import encode_leaf, escape_key
 from ._h5_index import Node
 from ._h5_writer import check_target, write_leaf
-from ._tempfile import LockedTempFile
 
 __all__ = ["save_stream"]
 
@@ -62,9 +61,6 @@ def save_stream(
     """
     path = Path(os.fspath(path))
     check_target(path, overwrite)
-
-    def write(tmp: LockedTempFile) -> None:
-        write_checkpoint_file(tmp, max_leaves, lambda f, raw: _write_items(f, raw, items))
-
-    save_atomically(path, overwrite, write)
+    with atomic_file(path, overwrite) as tmp, checkpoint_body(tmp, max_leaves) as body:
+        body.root = _write_items(body.file, body.raw, items)
     return path

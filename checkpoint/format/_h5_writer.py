@@ -1,8 +1,8 @@
 """Atomic HDF5 save of a nested mapping (see FORMAT.md for the layout it produces).
 
-Call order inside :func:`save`: validate and encode the whole tree (no file touched), then
-(:func:`._atomic.save_atomically`) remove stale temporary files of killed saves in the folder, create
-and lock a temporary file in the target folder, write it (groups and datasets through HDF5, array bytes
+Call order inside :func:`save`: validate and encode the whole tree (no file touched), check the target
+once, then (:func:`._atomic.atomic_file`) remove stale temporary files of killed saves in the folder,
+create and lock a temporary file in the target folder, write it (groups and datasets through HDF5, array bytes
 written and checksummed in one pass, root attributes and the structure digest, the header), fsync it,
 publish it under the final name with one atomic step, fsync the folder. Any failure removes the
 temporary file and leaves an old file intact; a full disk raises CheckpointWriteError.
@@ -20,16 +20,17 @@ from h5py import h5d, h5g
 
 from ..errors import CheckpointExistsError
 from . import _h5_lowlevel as ll
-from ._atomic import CHECKSUM, RawWriter, save_atomically, write_checkpoint_file
+from ._atomic import CHECKSUM, RawWriter, atomic_file, checkpoint_body
 from ._atomic import fsync_path as _fsync  # noqa: F401 - the manifest and CLI writers import it from here
 from ._atomic import publish as _publish  # noqa: F401 - the manifest and CLI writers import it from here
 from ._codec import STR_DTYPE, Leaf, encode_leaf, escape_key, leaf_array
 from ._h5_index import Node
-from ._tempfile import LockedTempFile, remove_stale_temp_files
+from ._tempfile import remove_stale_temp_files
 
-__all__ = ["check_target", "cleanup_temp_files", "plan_tree", "save", "write_leaf"]
+__all__ = ["check_target", "cleanup_temp_files", "plan_tree", "save", "save_to_checked_target", "write_leaf"]
 
 Entry = tuple[str, str, Leaf | None]  # (absolute HDF5 path, original key, leaf); leaf None = group
+
 
 def plan_tree(tree: Mapping[str, Any]) -> list[Entry]:
     """Validate and encode every key and leaf (TypeError/ValueError naming the key path)."""
@@ -122,12 +123,21 @@ def save(tree: Mapping[str, Any], path: str | os.PathLike[str], *, overwrite: bo
     path = Path(os.fspath(path))
     entries = plan_tree(tree)
     check_target(path, overwrite)
+    _commit(entries, path, overwrite)
+
+
+def save_to_checked_target(tree: Mapping[str, Any], path: Path, *, overwrite: bool) -> None:
+    """:func:`save` to a target the caller has checked already (the trainer's save scheduler checks it on
+    the calling thread, before a background write), so that each save checks its target once. A file
+    that appeared meanwhile is still never replaced without ``overwrite`` (the atomic publish refuses)."""
+    _commit(plan_tree(tree), path, overwrite)
+
+
+def _commit(entries: list[Entry], path: Path, overwrite: bool) -> None:
+    """Write the planned entries into a locked temporary file and publish it as ``path``."""
     leaves = sum(leaf is not None for _, _, leaf in entries)
-
-    def write(tmp: LockedTempFile) -> None:
-        write_checkpoint_file(tmp, leaves, lambda f, raw: _write_tree(f, raw, entries))
-
-    save_atomically(path, overwrite, write)
+    with atomic_file(path, overwrite) as tmp, checkpoint_body(tmp, leaves) as body:
+        body.root = _write_tree(body.file, body.raw, entries)
 
 
 def cleanup_temp_files(folder: str | os.PathLike[str], *, older_than_s: float = 0.0) -> list[Path]:

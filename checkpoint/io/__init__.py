@@ -1,20 +1,27 @@
-"""Moving checkpoints: asynchronous saves, host snapshots, and storage behind fsspec URLs.
+"""Moving checkpoints: asynchronous saves, host snapshots, rank-set writes, storage behind fsspec URLs.
+
+Imports go one way: ``io`` uses ``sets`` (manifests) and ``format`` (the file writer); neither imports ``io``.
 
 - ``_location``: a local path or an fsspec URL (``s3://``, ``memory://``...) behind one small interface,
   with atomic publish (temporary key, then move) and errors that name the URL;
 - ``_transfer``: save a tree to a location (remote ones through a local spool file), and local copies of
   remote files for the readers;
 - ``_snapshot``: the reusable host copy of a state that an asynchronous save writes from;
-- ``_async``: the background writer (one save at a time, errors kept for the next call) and ``SaveHandle``.
+- ``_async``: the background writer (one save at a time, errors kept for the next call) and ``SaveHandle``;
+- ``_set_writer``: a distributed save (agree on the target, every rank writes its file, rank 0 the manifest);
+- ``_scheduler``: the trainer's save scheduler, ``CheckpointIO`` (now or in the background, one file or one
+  file per rank) and ``write_checkpoint``.
 """
 
 from ._async import AsyncWriter, SaveHandle
 from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve
+from ._scheduler import CheckpointIO, write_checkpoint
 from ._snapshot import HostSnapshot
 from ._transfer import FileRecord, local_inputs, save_tree, write_file
 
 __all__ = [
     "AsyncWriter",
+    "CheckpointIO",
     "FileRecord",
     "HostSnapshot",
     "LocalLocation",
@@ -25,5 +32,6 @@ __all__ = [
     "local_inputs",
     "resolve",
     "save_tree",
+    "write_checkpoint",
     "write_file",
 ]

@@ -6,6 +6,13 @@
 """
 
 from ._index import INDEX_NAME, checkpoint_name
-from ._manager import CheckpointInfo, CheckpointManager, RestoredCheckpoint
+from ._manager import Checkpointable, CheckpointInfo, CheckpointManager, RestoredCheckpoint
 
-__all__ = ["INDEX_NAME", "CheckpointInfo", "CheckpointManager", "RestoredCheckpoint", "checkpoint_name"]
+__all__ = [
+    "INDEX_NAME",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "Checkpointable",
+    "RestoredCheckpoint",
+    "checkpoint_name",
+]

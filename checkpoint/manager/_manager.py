@@ -25,18 +25,34 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..io._async import SaveHandle
 from ..io._location import LocalLocation, Location, resolve
+from ..io._set_writer import remove_set
 from ..io._transfer import read_manifest_at
 from ..sets._manifest import check_manifest
-from ..sets._writer import remove_set
 from ._index import INDEX_NAME, MAX_STEP, IndexEntry, checkpoint_name, read_index, scan, write_index
 from ._policy import RetentionPolicy, check_metrics
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "RestoredCheckpoint"]
+__all__ = ["CheckpointInfo", "CheckpointManager", "Checkpointable", "RestoredCheckpoint"]
+
+
+class Checkpointable(Protocol):
+    """What the manager needs from a trainer (``ORTTrainer`` has it): its public checkpoint calls, its step
+    counters and options, and ``all_gather_objects`` so that every rank restores the same checkpoint."""
+
+    options: Any  # ``options.distributed.world_rank`` / ``world_size``
+    train_step_info: Any  # ``train_step_info.step``
+
+    def save_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> SaveHandle: ...
+
+    def load_checkpoint(self, *paths: Any, **kwargs: Any) -> dict: ...
+
+    def wait_for_checkpoint(self) -> None: ...
+
+    def all_gather_objects(self, value: Any) -> list: ...
 
 
 class CheckpointInfo(NamedTuple):
@@ -112,7 +128,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
     def save(
         self,
-        trainer: Any,
+        trainer: Checkpointable,
         step: int | None = None,
         *,
         metrics: Mapping[str, Any] | None = None,
@@ -182,7 +198,7 @@ class CheckpointManager:
             )
 
     # ------------------------------------------------------------------ restoring
-    def restore(self, trainer: Any, step: int | None = None) -> RestoredCheckpoint | None:
+    def restore(self, trainer: Checkpointable, step: int | None = None) -> RestoredCheckpoint | None:
         """Load the newest complete checkpoint (or checkpoint ``step``) into ``trainer``.
 
         Damaged checkpoints are skipped with a warning naming them, and so are saves that never
@@ -191,7 +207,7 @@ class CheckpointManager:
         ranks load the checkpoint rank 0 chose, and skip together.
         """
         self._raise_pending()
-        gather = getattr(trainer, "_all_gather_objects", None) or (lambda value: [value])
+        gather = trainer.all_gather_objects
         candidates = gather(self._candidates(step))[0]
         skipped = []
         for info in candidates:
@@ -286,6 +302,6 @@ def _complete(location: Location) -> bool:
         return False
 
 
-def _rank(trainer: Any) -> int:
+def _rank(trainer: Checkpointable) -> int:
     """The trainer's rank (0 for a single process)."""
     return int(trainer.options.distributed.world_rank) if trainer.options.distributed.world_size > 1 else 0

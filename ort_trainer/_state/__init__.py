@@ -2,35 +2,35 @@
 
 Modules: `_compose` (``state_dict()``), `_load` (two-phase ``load_state_dict``), `_options`
 (`StateDictOptions`), `_torch_optim` (optimizer state in ``torch.optim``'s format), `_ranks` (full
-state under ZeRO, ``broadcast_from_rank0``, the check that every rank loaded the same state),
-`_stateful` (extra objects in checkpoints), `_onnx` (``save_as_onnx``, the export self-check).
-Everything works on the `StateOwner` protocol (`ort_trainer._owner`), never on the trainer class.
+state under ZeRO, ``broadcast_from_rank0``),
+`_stateful` (extra objects in checkpoints), `_onnx` (``save_as_onnx``, the export self-check),
+`_checkpoint` (``save_checkpoint`` / ``load_checkpoint``: the trainer's side of ``checkpoint/``).
+Everything works on the trainer's `TrainerState` (`ort_trainer.engine.TrainerState`), never on the trainer class.
 """
 
+from ._checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from ._compose import trainer_state_dict
 from ._load import _apply, _validate, check_input, load_trainer_state_dict
 from ._onnx import check_model_export, eval_model_with_weights
 from ._options import StateDictOptions, resolve_options
-from ._ranks import check_ranks_agree, finish_rank_check, start_rank_check
 from ._stateful import encode_stateful, load_stateful, own_rank_section
 from ._torch_optim import load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = [
     "StateDictOptions",
+    "load_trainer_checkpoint",
+    "save_trainer_checkpoint",
     "_apply",
     "_validate",
     "check_input",
     "check_model_export",
-    "check_ranks_agree",
     "encode_stateful",
     "eval_model_with_weights",
-    "finish_rank_check",
     "load_optimizer_state_dict",
     "load_stateful",
     "load_trainer_state_dict",
     "optimizer_state_dict",
     "own_rank_section",
     "resolve_options",
-    "start_rank_check",
     "trainer_state_dict",
 ]

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from ort_trainer.checkpoint.format import _schema as K
-from ort_trainer.checkpoint.format._user_dict import encode_user_value
+from ort_trainer.checkpoint.format import encode_user_value
+from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.engine import TrainerState
 
-from .._names import canonical_name
-from .._owner import StateOwner
+from ..graph._names import canonical_name
 from . import _ranks
 from ._options import StateDictOptions, resolve_options
 
@@ -24,7 +24,7 @@ __all__ = ["select_submodules", "trainer_state_dict"]
 
 
 def trainer_state_dict(
-    trainer: StateOwner,
+    trainer: TrainerState,
     pytorch_format: bool = False,
     copy_tensors: bool = True,
     *,
@@ -44,32 +44,32 @@ def trainer_state_dict(
     if prefixes is not None:
         state = _only_submodules(state, prefixes, opts.keep_submodule_prefixes, pytorch_format)
     if opts.cpu_offload:
-        dist = trainer._store.dist
+        dist = trainer.store.dist
         if opts.full_state_dict and dist is not None and dist.rank != 0:
             return {}  # torch's rule: with a full state offloaded to the CPU, only rank 0 holds it
         state = _map_tensors(state, lambda t: t.cpu())
     return state
 
 
-def _legacy_state(trainer: StateOwner, copy_tensors: bool, full: bool) -> dict[str, Any]:
-    store = trainer._store
+def _legacy_state(trainer: TrainerState, copy_tensors: bool, full: bool) -> dict[str, Any]:
+    store = trainer.store
     clone = _clone if copy_tensors else (lambda t: t.detach())
-    model: dict[str, Any] = {K.FULL_PRECISION_KEY: {k: clone(v) for k, v in store.weights.items()}}
+    model: dict[str, Any] = {S.FULL_PRECISION_KEY: {k: clone(v) for k, v in store.weights.items()}}
     if store.extra_state:
-        model[K.EXTRA_STATE_KEY] = {name: _storable(name, value) for name, value in store.extra_state.items()}
-    state: dict[str, Any] = {K.MODEL_KEY: model}
+        model[S.EXTRA_STATE_KEY] = {name: _storable(name, value) for name, value in store.extra_state.items()}
+    state: dict[str, Any] = {S.MODEL_KEY: model}
     if full and store.zero is not None:
-        state[K.OPTIMIZER_KEY] = _ranks.full_optimizer_state(store)
+        state[S.OPTIMIZER_KEY] = _ranks.full_optimizer_state(store)
     else:
-        state[K.OPTIMIZER_KEY] = store.optimizer.state_dict(copy=copy_tensors)
+        state[S.OPTIMIZER_KEY] = store.optimizer.state_dict(copy=copy_tensors)
         if store.zero is not None:
-            state[K.PARTITION_INFO_KEY] = store.zero.partition_info()
-    state[K.TRAINER_OPTIONS_KEY] = _trainer_options(trainer, single=full)
-    state[K.TRAIN_STEP_INFO_KEY] = trainer._train_step_info.state_dict()
+            state[S.PARTITION_INFO_KEY] = store.zero.partition_info()
+    state[S.TRAINER_OPTIONS_KEY] = _trainer_options(trainer, single=full)
+    state[S.TRAIN_STEP_INFO_KEY] = trainer.train_step_info.state_dict()
     if trainer.options.lr_scheduler is not None:
-        state[K.LR_SCHEDULER_KEY] = trainer.options.lr_scheduler.state_dict()
+        state[S.LR_SCHEDULER_KEY] = trainer.options.lr_scheduler.state_dict()
     if trainer.options.mixed_precision.enabled:
-        state[K.LOSS_SCALER_KEY] = trainer.options.mixed_precision.loss_scaler.state_dict()
+        state[S.LOSS_SCALER_KEY] = trainer.options.mixed_precision.loss_scaler.state_dict()
     return state
 
 
@@ -77,34 +77,34 @@ def _storable(name: str, value: Any) -> Any:
     """``get_extra_state()`` values in the user_dict encoding (no pickle); as they are if that is impossible
     (``save_checkpoint`` then names the key)."""
     try:
-        return encode_user_value(value, f"{K.MODEL_KEY}/{K.EXTRA_STATE_KEY}/{name}")
+        return encode_user_value(value, f"{S.MODEL_KEY}/{S.EXTRA_STATE_KEY}/{name}")
     except TypeError:
         return copy.deepcopy(value)
 
 
-def _trainer_options(trainer: StateOwner, single: bool = False) -> dict[str, Any]:
+def _trainer_options(trainer: TrainerState, single: bool = False) -> dict[str, Any]:
     """``trainer_options``; ``single``: as a one-process state (what aggregating a save gives)."""
     dist = trainer.options.distributed
     options = {
-        K.MIXED_PRECISION_KEY: bool(trainer.options.mixed_precision.enabled),
-        K.ZERO_STAGE_KEY: int(dist.deepspeed_zero_optimization.stage),
-        K.WORLD_RANK_KEY: int(dist.world_rank),
-        K.WORLD_SIZE_KEY: int(dist.world_size),
-        K.OPTIMIZER_NAME_KEY: trainer.optim_config.name,
-        K.DATA_PARALLEL_SIZE_KEY: int(dist.data_parallel_size),
-        K.HORIZONTAL_PARALLEL_SIZE_KEY: int(dist.horizontal_parallel_size),
+        S.MIXED_PRECISION_KEY: bool(trainer.options.mixed_precision.enabled),
+        S.ZERO_STAGE_KEY: int(dist.deepspeed_zero_optimization.stage),
+        S.WORLD_RANK_KEY: int(dist.world_rank),
+        S.WORLD_SIZE_KEY: int(dist.world_size),
+        S.OPTIMIZER_NAME_KEY: trainer.optim_config.name,
+        S.DATA_PARALLEL_SIZE_KEY: int(dist.data_parallel_size),
+        S.HORIZONTAL_PARALLEL_SIZE_KEY: int(dist.horizontal_parallel_size),
     }
-    if single and trainer._store.dist is not None:
-        for key in (K.ZERO_STAGE_KEY, K.WORLD_RANK_KEY):
+    if single and trainer.store.dist is not None:
+        for key in (S.ZERO_STAGE_KEY, S.WORLD_RANK_KEY):
             options[key] = 0
-        for key in (K.WORLD_SIZE_KEY, K.DATA_PARALLEL_SIZE_KEY, K.HORIZONTAL_PARALLEL_SIZE_KEY):
+        for key in (S.WORLD_SIZE_KEY, S.DATA_PARALLEL_SIZE_KEY, S.HORIZONTAL_PARALLEL_SIZE_KEY):
             options[key] = 1
     return options
 
 
-def _pytorch_state(trainer: StateOwner) -> dict[str, Any]:
+def _pytorch_state(trainer: TrainerState) -> dict[str, Any]:
     """``{fqn: value}`` in the module's ``state_dict()`` order, accepted by its ``load_state_dict(strict=True)``."""
-    store = trainer._store
+    store = trainer.store
     module_state = store.state
     weights = store.weights
     result: dict[str, Any] = {}
@@ -123,25 +123,25 @@ def _pytorch_state(trainer: StateOwner) -> dict[str, Any]:
     return result
 
 
-def _without_frozen(trainer: StateOwner, state: dict, pytorch_format: bool) -> dict:
-    store = trainer._store
+def _without_frozen(trainer: TrainerState, state: dict, pytorch_format: bool) -> dict:
+    store = trainer.store
     frozen = set(store.frozen_parameters)
     if pytorch_format:
         return {k: v for k, v in state.items() if store.state.aliases.get(k) not in frozen}
     state = dict(state)
-    model = dict(state[K.MODEL_KEY])
-    model[K.FULL_PRECISION_KEY] = {k: v for k, v in model[K.FULL_PRECISION_KEY].items() if k not in frozen}
-    state[K.MODEL_KEY] = model
+    model = dict(state[S.MODEL_KEY])
+    model[S.FULL_PRECISION_KEY] = {k: v for k, v in model[S.FULL_PRECISION_KEY].items() if k not in frozen}
+    state[S.MODEL_KEY] = model
     return state
 
 
-def select_submodules(trainer: StateOwner, submodules: Iterable[Any] | None) -> list[str] | None:
+def select_submodules(trainer: TrainerState, submodules: Iterable[Any] | None) -> list[str] | None:
     """Canonical name prefixes of ``submodules`` (names, or module objects of the trainer's module)."""
     if submodules is None:
         return None
     if isinstance(submodules, str | torch.nn.Module):
         submodules = [submodules]
-    known = _module_names(trainer._model) if isinstance(trainer._model, torch.nn.Module) else {}
+    known = _module_names(trainer.model) if isinstance(trainer.model, torch.nn.Module) else {}
     prefixes = []
     for item in submodules:
         name = known.get(id(item)) if isinstance(item, torch.nn.Module) else item
@@ -176,14 +176,14 @@ def _only_submodules(state: dict, prefixes: list[str], keep_prefixes: bool, pyto
     if pytorch_format:
         return pick(state)
     state = dict(state)
-    model = dict(state[K.MODEL_KEY])
-    for section in (K.FULL_PRECISION_KEY, K.EXTRA_STATE_KEY):
+    model = dict(state[S.MODEL_KEY])
+    for section in (S.FULL_PRECISION_KEY, S.EXTRA_STATE_KEY):
         if section in model:
             model[section] = pick(model[section])
-    state[K.MODEL_KEY] = model
-    optimizer = state.get(K.OPTIMIZER_KEY, {})
-    shared = {k: v for k, v in optimizer.items() if k == K.SHARED_OPTIMIZER_STATE_KEY}
-    state[K.OPTIMIZER_KEY] = {**pick(optimizer), **shared}
+    state[S.MODEL_KEY] = model
+    optimizer = state.get(S.OPTIMIZER_KEY, {})
+    shared = {k: v for k, v in optimizer.items() if k == S.SHARED_OPTIMIZER_STATE_KEY}
+    state[S.OPTIMIZER_KEY] = {**pick(optimizer), **shared}
     return state
 
 

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ort_trainer.checkpoint.format import _schema as K
-from ort_trainer.checkpoint.format._user_dict import decode_user_value, encode_user_value
-from ort_trainer.optim import _state as optim_state
+from ort_trainer.checkpoint.format import decode_user_value, encode_user_value
+from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.engine import TrainerState
+from ort_trainer.engine._rank_check import note_load
+from ort_trainer.optim import state as optim_state
 
-from .._names import KeyMatcher
-from .._owner import StateOwner
+from ..graph._names import KeyMatcher
 from . import _ranks
 from ._options import StateDictOptions, resolve_options
 
@@ -28,34 +29,34 @@ __all__ = ["load_trainer_state_dict"]
 
 _SECTIONS = frozenset(
     {
-        K.MODEL_KEY,
-        K.OPTIMIZER_KEY,
-        K.TRAINER_OPTIONS_KEY,
-        K.TRAIN_STEP_INFO_KEY,
-        K.LR_SCHEDULER_KEY,
-        K.LOSS_SCALER_KEY,
-        K.PARTITION_INFO_KEY,
-        K.DISTRIBUTED_KEY,
+        S.MODEL_KEY,
+        S.OPTIMIZER_KEY,
+        S.TRAINER_OPTIONS_KEY,
+        S.TRAIN_STEP_INFO_KEY,
+        S.LR_SCHEDULER_KEY,
+        S.LOSS_SCALER_KEY,
+        S.PARTITION_INFO_KEY,
+        S.DISTRIBUTED_KEY,
     }
 )
-_CHECKPOINT_ONLY = frozenset({K.USER_DICT_KEY, K.RANK_USER_DICTS_KEY, K.STATEFUL_KEY})  # load_checkpoint's
-_WEIGHTS = f"state_dict[{K.MODEL_KEY}][{K.FULL_PRECISION_KEY}]"
+_CHECKPOINT_ONLY = frozenset({S.USER_DICT_KEY, S.RANK_USER_DICTS_KEY, S.STATEFUL_KEY})  # load_checkpoint's
+_WEIGHTS = f"state_dict[{S.MODEL_KEY}][{S.FULL_PRECISION_KEY}]"
 
 
 def load_trainer_state_dict(
-    trainer: StateOwner, state: Mapping, strict: bool = True, *, options: StateDictOptions | Any = None
+    trainer: TrainerState, state: Mapping, strict: bool = True, *, options: StateDictOptions | Any = None
 ) -> _IncompatibleKeys:
     """Validate ``state`` completely, then apply it; returns torch's ``_IncompatibleKeys``."""
     opts = resolve_options(options)
     strict = bool(strict) and opts.strict
     if opts.broadcast_from_rank0:
-        state = _ranks.broadcast_from_rank0(trainer._store, state, check_input)
+        state = _ranks.broadcast_from_rank0(trainer.store, state, check_input)
     check_input(state)
     missing, unexpected = [], []
     if _is_pytorch_format(state):
         state, missing, unexpected = _from_pytorch(trainer, state, strict, opts)
         plan = _validate(trainer, state, False, opts)
-        plan["missing"] = [key for key in plan["missing"] if not key.startswith(f"{K.MODEL_KEY}/")]  # listed above
+        plan["missing"] = [key for key in plan["missing"] if not key.startswith(f"{S.MODEL_KEY}/")]  # listed above
     else:
         plan = _validate(trainer, state, strict, opts)
     _apply(trainer, plan)
@@ -84,14 +85,14 @@ def _check_values(tree: Mapping, where: str) -> None:
 
 # ---------------------------------------------------------------------------- plain PyTorch dicts
 def _is_pytorch_format(state: Mapping) -> bool:
-    return not any(key in state for key in (K.MODEL_KEY, K.OPTIMIZER_KEY, K.TRAIN_STEP_INFO_KEY))
+    return not any(key in state for key in (S.MODEL_KEY, S.OPTIMIZER_KEY, S.TRAIN_STEP_INFO_KEY))
 
 
 def _from_pytorch(
-    trainer: StateOwner, state: Mapping, strict: bool, opts: StateDictOptions
+    trainer: TrainerState, state: Mapping, strict: bool, opts: StateDictOptions
 ) -> tuple[dict, list[str], list[str]]:
     """``{fqn: tensor}`` (any wrapper prefixes) as our layout's model section, with missing/unexpected keys."""
-    store = trainer._store
+    store = trainer.store
     module = store.state
     known = set(module.aliases) | set(module.initial) | set(store.extra_state)
     matched, unexpected = KeyMatcher(known).match(state.keys(), "state_dict")
@@ -114,10 +115,10 @@ def _from_pytorch(
         problems = [f"missing keys in the PyTorch state_dict: {missing}"] if missing else []
         problems += [f"unexpected keys in the PyTorch state_dict: {sorted(unexpected)}"] if unexpected else []
         raise KeyError("; ".join(problems))
-    model: dict[str, Any] = {K.FULL_PRECISION_KEY: weights}
+    model: dict[str, Any] = {S.FULL_PRECISION_KEY: weights}
     if extra:
-        model[K.EXTRA_STATE_KEY] = {name: _encoded(value) for name, value in extra.items()}
-    return {K.MODEL_KEY: model}, missing, sorted(unexpected)
+        model[S.EXTRA_STATE_KEY] = {name: _encoded(value) for name, value in extra.items()}
+    return {S.MODEL_KEY: model}, missing, sorted(unexpected)
 
 
 def _encoded(value: Any) -> Any:
@@ -128,7 +129,7 @@ def _encoded(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- validation (phase 1)
-def _validate(trainer: StateOwner, state: Mapping, strict: bool, opts: StateDictOptions | None = None) -> dict:
+def _validate(trainer: TrainerState, state: Mapping, strict: bool, opts: StateDictOptions | None = None) -> dict:
     """Check everything; return what `_apply` will copy. Raises before any change.
 
     Meta tensors are accepted here as shape/dtype placeholders (``load_checkpoint`` validates a file
@@ -142,40 +143,40 @@ def _validate(trainer: StateOwner, state: Mapping, strict: bool, opts: StateDict
     plan["unexpected"] += foreign
     _validate_model(trainer, state, strict, opts, plan)
     info = _validate_small_state(trainer, state, plan)
-    if K.OPTIMIZER_KEY in state:
+    if S.OPTIMIZER_KEY in state:
         _check_optimizer_name(trainer, state)
-        optimizer = trainer._store.optimizer
-        optimizer.validate_state_dict(state[K.OPTIMIZER_KEY], strict=strict)
-        missing, unexpected = optimizer.incompatible_keys(state[K.OPTIMIZER_KEY], K.OPTIMIZER_KEY)
+        optimizer = trainer.store.optimizer
+        optimizer.validate_state_dict(state[S.OPTIMIZER_KEY], strict=strict)
+        missing, unexpected = optimizer.incompatible_keys(state[S.OPTIMIZER_KEY], S.OPTIMIZER_KEY)
         plan["missing"] += missing
         plan["unexpected"] += unexpected
-        _check_counters(trainer, state[K.OPTIMIZER_KEY], info)
-        plan["optimizer"] = state[K.OPTIMIZER_KEY]
+        _check_counters(trainer, state[S.OPTIMIZER_KEY], info)
+        plan["optimizer"] = state[S.OPTIMIZER_KEY]
     return plan
 
 
-def _validate_model(trainer: StateOwner, state: Mapping, strict: bool, opts: StateDictOptions, plan: dict) -> None:
-    store = trainer._store
-    if K.MODEL_KEY not in state and not strict:
+def _validate_model(trainer: TrainerState, state: Mapping, strict: bool, opts: StateDictOptions, plan: dict) -> None:
+    store = trainer.store
+    if S.MODEL_KEY not in state and not strict:
         plan["weights"] = {}
         return
-    model = state.get(K.MODEL_KEY, {})
+    model = state.get(S.MODEL_KEY, {})
     if not isinstance(model, Mapping):
-        raise TypeError(f"state_dict[{K.MODEL_KEY}] must be a Mapping, got {type(model).__name__}")
-    weights = model.get(K.FULL_PRECISION_KEY, {})
+        raise TypeError(f"state_dict[{S.MODEL_KEY}] must be a Mapping, got {type(model).__name__}")
+    weights = model.get(S.FULL_PRECISION_KEY, {})
     if not isinstance(weights, Mapping):
         raise TypeError(f"{_WEIGHTS} must be a Mapping, got {type(weights).__name__}")
     current = store.weights
     optional = set(store.frozen_parameters) if opts.ignore_frozen_params else set()
     _check_keys(current, weights, _WEIGHTS, strict, optional, plan)
     plan["weights"] = {name: _as_tensor(weights[name], current[name], name) for name in current if name in weights}
-    others = sorted(k for k in model if k not in (K.FULL_PRECISION_KEY, K.EXTRA_STATE_KEY))
+    others = sorted(k for k in model if k not in (S.FULL_PRECISION_KEY, S.EXTRA_STATE_KEY))
     if others and strict:
-        raise KeyError(f"unexpected keys in state_dict[{K.MODEL_KEY}]: {others}")
-    plan["unexpected"] += [f"{K.MODEL_KEY}/{k}" for k in others]
-    if K.EXTRA_STATE_KEY in model or (strict and store.extra_state):
-        extra = model.get(K.EXTRA_STATE_KEY, {})
-        where = f"state_dict[{K.MODEL_KEY}][{K.EXTRA_STATE_KEY}]"
+        raise KeyError(f"unexpected keys in state_dict[{S.MODEL_KEY}]: {others}")
+    plan["unexpected"] += [f"{S.MODEL_KEY}/{k}" for k in others]
+    if S.EXTRA_STATE_KEY in model or (strict and store.extra_state):
+        extra = model.get(S.EXTRA_STATE_KEY, {})
+        where = f"state_dict[{S.MODEL_KEY}][{S.EXTRA_STATE_KEY}]"
         if not isinstance(extra, Mapping):
             raise TypeError(f"{where} must be a Mapping, got {type(extra).__name__}")
         _check_keys(store.extra_state, extra, where, strict, set(), plan)
@@ -201,25 +202,25 @@ def _check_keys(current: Mapping, loaded: Mapping, where: str, strict: bool, opt
     plan["unexpected"] += [f"{path}/{k}" for k in unexpected]
 
 
-def _validate_small_state(trainer: StateOwner, state: Mapping, plan: dict) -> Any:
+def _validate_small_state(trainer: TrainerState, state: Mapping, plan: dict) -> Any:
     """train_step_info, lr_scheduler, loss_scaler: each loaded into a copy first. Returns the step info to be."""
-    info = trainer._train_step_info
-    if K.TRAIN_STEP_INFO_KEY in state:
-        info = copy.deepcopy(trainer._train_step_info)
-        info.load_state_dict(state[K.TRAIN_STEP_INFO_KEY])
-        plan["train_step_info"] = state[K.TRAIN_STEP_INFO_KEY]
+    info = trainer.train_step_info
+    if S.TRAIN_STEP_INFO_KEY in state:
+        info = copy.deepcopy(trainer.train_step_info)
+        info.load_state_dict(state[S.TRAIN_STEP_INFO_KEY])
+        plan["train_step_info"] = state[S.TRAIN_STEP_INFO_KEY]
     scheduler = trainer.options.lr_scheduler
-    if K.LR_SCHEDULER_KEY in state and scheduler is not None:
-        copy.deepcopy(scheduler).load_state_dict(state[K.LR_SCHEDULER_KEY])
-        plan["lr_scheduler"] = state[K.LR_SCHEDULER_KEY]
+    if S.LR_SCHEDULER_KEY in state and scheduler is not None:
+        copy.deepcopy(scheduler).load_state_dict(state[S.LR_SCHEDULER_KEY])
+        plan["lr_scheduler"] = state[S.LR_SCHEDULER_KEY]
     scaler = trainer.options.mixed_precision.loss_scaler
-    if K.LOSS_SCALER_KEY in state and scaler is not None:
-        copy.deepcopy(scaler).load_state_dict(state[K.LOSS_SCALER_KEY])
-        plan["loss_scaler"] = state[K.LOSS_SCALER_KEY]
+    if S.LOSS_SCALER_KEY in state and scaler is not None:
+        copy.deepcopy(scaler).load_state_dict(state[S.LOSS_SCALER_KEY])
+        plan["loss_scaler"] = state[S.LOSS_SCALER_KEY]
     return info
 
 
-def _check_counters(trainer: StateOwner, optimizer: Mapping, info: Any) -> None:
+def _check_counters(trainer: TrainerState, optimizer: Mapping, info: Any) -> None:
     """Every Update_Count (LAMB: Step) must be optimization_step + 1: it sets Adam's bias correction."""
     expected = optim_state.update_count_for(info.optimization_step)
     because = f"train_step_info.optimization_step is {info.optimization_step}"
@@ -233,11 +234,11 @@ def _check_counters(trainer: StateOwner, optimizer: Mapping, info: Any) -> None:
         )
 
 
-def _check_optimizer_name(trainer: StateOwner, state: Mapping) -> None:
-    options = state.get(K.TRAINER_OPTIONS_KEY)
-    if not isinstance(options, Mapping) or K.OPTIMIZER_NAME_KEY not in options:
+def _check_optimizer_name(trainer: TrainerState, state: Mapping) -> None:
+    options = state.get(S.TRAINER_OPTIONS_KEY)
+    if not isinstance(options, Mapping) or S.OPTIMIZER_NAME_KEY not in options:
         return
-    name = options[K.OPTIMIZER_NAME_KEY]
+    name = options[S.OPTIMIZER_NAME_KEY]
     name = name.decode() if isinstance(name, bytes) else str(name)
     if name != trainer.optim_config.name:
         raise ValueError(
@@ -267,9 +268,9 @@ def _as_tensor(value: Any, target: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- apply (phase 2)
-def _apply(trainer: StateOwner, plan: Mapping[str, Any]) -> None:
+def _apply(trainer: TrainerState, plan: Mapping[str, Any]) -> None:
     """Copy a validated plan into the live state (nothing here can fail on a validated plan)."""
-    store = trainer._store
+    store = trainer.store
     current = store.weights
     with torch.no_grad():
         for name, value in plan["weights"].items():
@@ -278,10 +279,10 @@ def _apply(trainer: StateOwner, plan: Mapping[str, Any]) -> None:
     if "optimizer" in plan:
         store.optimizer.load_state_dict(plan["optimizer"], strict=False)
     if "train_step_info" in plan:
-        trainer._train_step_info.load_state_dict(plan["train_step_info"])
-    store.optimizer.set_update_count(optim_state.update_count_for(trainer._train_step_info.optimization_step))
+        trainer.train_step_info.load_state_dict(plan["train_step_info"])
+    store.optimizer.set_update_count(optim_state.update_count_for(trainer.train_step_info.optimization_step))
     if "lr_scheduler" in plan:
         trainer.options.lr_scheduler.load_state_dict(plan["lr_scheduler"])
     if "loss_scaler" in plan:
         trainer.options.mixed_precision.loss_scaler.load_state_dict(plan["loss_scaler"])
-    _ranks.note_load(store)
+    note_load(store)

@@ -10,7 +10,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from .._owner import StateOwner
+from ort_trainer.engine import TrainerState
 
 if TYPE_CHECKING:
     from ort_trainer.engine._build import Engine
@@ -31,17 +31,17 @@ def eval_model_with_weights(engine: Engine) -> onnx.ModelProto:
     return model
 
 
-def check_model_export(trainer: StateOwner, inputs: Sequence[torch.Tensor]) -> None:
+def check_model_export(trainer: TrainerState, inputs: Sequence[torch.Tensor]) -> None:
     """Compare the torch module's eval-mode outputs with the exported eval graph (rtol 1e-2, atol 1e-6)."""
-    if not isinstance(trainer._model, torch.nn.Module):
+    if not isinstance(trainer.model, torch.nn.Module):
         return
     from ort_trainer.graph._forward import eval_outputs
 
-    from .._names import outer_module
+    from ..graph._names import outer_module
 
     desc = trainer.model_desc
-    expected = eval_outputs(outer_module(trainer._model), trainer.loss_fn, desc, inputs)
-    got = trainer._engine.session.run_eval(dict(zip(desc.input_names, inputs, strict=True)))
+    expected = eval_outputs(outer_module(trainer.model), trainer.loss_fn, desc, inputs)
+    got = trainer.engine.session.run_eval(dict(zip(desc.input_names, inputs, strict=True)))
     for name, want in zip(desc.output_names, expected, strict=False):
         if not torch.allclose(got[name].cpu().to(want.dtype), want.cpu(), rtol=1e-2, atol=1e-6):
             diff = (got[name].cpu().to(want.dtype) - want.cpu()).abs().max().item()

@@ -14,8 +14,8 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ort_trainer.checkpoint.format import _schema as K
-from ort_trainer.checkpoint.format._user_dict import decode_user_value, encode_user_value
+from ort_trainer.checkpoint.format import decode_user_value, encode_user_value
+from ort_trainer.checkpoint.format import schema as S
 
 __all__ = ["encode_stateful", "load_stateful", "own_rank_section"]
 
@@ -38,7 +38,7 @@ def encode_stateful(stateful: Mapping[str, Any] | None) -> dict[str, Any] | None
     if not stateful:
         return None
     objects = _check(stateful)
-    return {name: encode_user_value(obj.state_dict(), f"{K.STATEFUL_KEY}/{name}") for name, obj in objects.items()}
+    return {name: encode_user_value(obj.state_dict(), f"{S.STATEFUL_KEY}/{name}") for name, obj in objects.items()}
 
 
 def load_stateful(stateful: Mapping[str, Any] | None, stored: Any, source: str) -> Callable[[], None]:
@@ -50,7 +50,7 @@ def load_stateful(stateful: Mapping[str, Any] | None, stored: Any, source: str) 
     absent = [name for name in objects if name not in stored]
     if absent:
         raise KeyError(f"stateful[{absent[0]!r}] is not in {source}; stored: {sorted(stored)}")
-    decoded = {name: decode_user_value(stored[name], f"{K.STATEFUL_KEY}/{name}", source=source) for name in objects}
+    decoded = {name: decode_user_value(stored[name], f"{S.STATEFUL_KEY}/{name}", source=source) for name in objects}
     previous: dict[str, Any] = {}
 
     def undo() -> None:
@@ -73,7 +73,7 @@ def load_stateful(stateful: Mapping[str, Any] | None, stored: Any, source: str) 
 def own_rank_section(full: dict[str, Any], section: str, rank: int | None, world_size: int | None) -> Any:
     """Pop ``section`` (user_dict / stateful) and its per-rank copies from an aggregated state; return the
     loading rank's own when the set was saved by as many ranks as load it, else rank 0's."""
-    per_rank = full.pop(K.PER_RANK_KEYS[section], None)
+    per_rank = full.pop(S.PER_RANK_KEYS[section], None)
     value = full.pop(section, None)
     if isinstance(per_rank, Mapping) and rank is not None and len(per_rank) == world_size and str(rank) in per_rank:
         return per_rank[str(rank)]

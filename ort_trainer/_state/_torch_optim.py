@@ -1,6 +1,6 @@
 """The trainer's optimizer state in ``torch.optim``'s format: `optimizer_state_dict` / `load_optimizer_state_dict`.
 
-The conversion itself is `optim._torch_format`; here the trainer's side: parameter names (canonical,
+The conversion itself is `optim.torch_format`; here the trainer's side: parameter names (canonical,
 wrapper prefixes stripped), the int keys of ``Optimizer.state_dict()``, ZeRO (the full state is
 gathered) and the step counters (loading torch's ``step`` N sets ``optimization_step`` to N, so
 every ``Update_Count`` is N + 1 and LR schedules continue where torch stopped).
@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ort_trainer.checkpoint.format import _schema as K
-from ort_trainer.optim._torch_format import check_torch_expressible, from_torch_state, to_torch_state
+from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.engine import TrainerState
+from ort_trainer.optim.torch_format import check_torch_expressible, from_torch_state, to_torch_state
 
-from .._names import KeyMatcher, canonical_name
-from .._owner import StateOwner
+from ..graph._names import KeyMatcher, canonical_name
 from . import _ranks
 from ._load import load_trainer_state_dict
 from ._options import StateDictOptions, resolve_options
@@ -26,10 +26,10 @@ from ._options import StateDictOptions, resolve_options
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
 
 
-def optimizer_state_dict(trainer: StateOwner, options: StateDictOptions | Any = None) -> dict[str, Any]:
+def optimizer_state_dict(trainer: TrainerState, options: StateDictOptions | Any = None) -> dict[str, Any]:
     """``{"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}`` (torch.optim.AdamW/SGD)."""
     opts = resolve_options(options)
-    store = trainer._store
+    store = trainer.store
     check_torch_expressible(trainer.optim_config)
     if store.zero is not None and not opts.full_state_dict:
         raise ValueError(
@@ -47,15 +47,15 @@ def optimizer_state_dict(trainer: StateOwner, options: StateDictOptions | Any = 
     return result
 
 
-def _current_lr(trainer: StateOwner) -> float:
+def _current_lr(trainer: TrainerState) -> float:
     scheduler = trainer.options.lr_scheduler
     if scheduler is None:
         return float(trainer.optim_config.lr)
-    return float(scheduler.get_lr(trainer._train_step_info))
+    return float(scheduler.get_lr(trainer.train_step_info))
 
 
 def load_optimizer_state_dict(
-    trainer: StateOwner,
+    trainer: TrainerState,
     state: Mapping[str, Any],
     *,
     model: torch.nn.Module | None = None,
@@ -66,7 +66,7 @@ def load_optimizer_state_dict(
     if not isinstance(state, Mapping) or "state" not in state or "param_groups" not in state:
         raise TypeError("optimizer state must be a dict with 'state' and 'param_groups' (torch.optim's format)")
     check_torch_expressible(trainer.optim_config)
-    store = trainer._store
+    store = trainer.store
     names = _index_names(trainer, state, model, optimizer)
     renamed = _canonical(trainer, state, names)
     shapes = {name: tuple(store.layout[name].shape) for name in store.layout.names}
@@ -75,15 +75,15 @@ def load_optimizer_state_dict(
         return _IncompatibleKeys(missing, unexpected)
     accumulation = trainer.options.batch.gradient_accumulation_steps
     loaded = {
-        K.OPTIMIZER_KEY: legacy,
-        K.TRAIN_STEP_INFO_KEY: {"optimization_step": updates, "step": updates * accumulation},
+        S.OPTIMIZER_KEY: legacy,
+        S.TRAIN_STEP_INFO_KEY: {"optimization_step": updates, "step": updates * accumulation},
     }
     load_trainer_state_dict(trainer, loaded, strict=False)
     return _IncompatibleKeys(missing, unexpected)
 
 
 def _index_names(
-    trainer: StateOwner, state: Mapping, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
+    trainer: TrainerState, state: Mapping, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
 ) -> dict[int, str] | None:
     """For int-keyed states (``Optimizer.state_dict()``): parameter index -> canonical name."""
     groups = state["param_groups"]
@@ -105,9 +105,9 @@ def _index_names(
     return _by_model_order(trainer, groups, by_id, model)
 
 
-def _by_model_order(trainer: StateOwner, groups: Sequence, by_id: dict, model: torch.nn.Module) -> dict[int, str]:
+def _by_model_order(trainer: TrainerState, groups: Sequence, by_id: dict, model: torch.nn.Module) -> dict[int, str]:
     """Torch group g numbers our group g's parameters in model order (how AdamW(model.parameters()) does)."""
-    store = trainer._store
+    store = trainer.store
     ours: dict[int, list[str]] = {}
     for name in store.layout.names:
         ours.setdefault(trainer.optim_config.group_index(name), []).append(name)
@@ -125,9 +125,9 @@ def _by_model_order(trainer: StateOwner, groups: Sequence, by_id: dict, model: t
     }
 
 
-def _canonical(trainer: StateOwner, state: Mapping, names: dict[int, str] | None) -> dict[str, Any]:
+def _canonical(trainer: TrainerState, state: Mapping, names: dict[int, str] | None) -> dict[str, Any]:
     """``state`` with every parameter key as the trainer's canonical name (aliases and prefixes resolved)."""
-    module = trainer._store.state
+    module = trainer.store.state
     matcher = KeyMatcher(module.aliases)
 
     def rename(key: Any) -> Any:

@@ -21,7 +21,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from ort_trainer._names import KeyMatcher, canonical_name
+from ort_trainer.graph._names import KeyMatcher, canonical_name
 from ort_trainer.optim import FlatLayout, FlatOptimizer
 
 from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import onnx
 import torch
 
-from ort_trainer._input_checks import explain_trace_failure
-from ort_trainer._names import outer_module, plain_module
-from ort_trainer.model_desc import ModelDescription
+from ort_trainer.config.model_desc import ModelDescription
+from ort_trainer.diagnosis._input_checks import explain_trace_failure
+from ort_trainer.graph._names import outer_module, plain_module
 
 from ._forward import ModelWithLoss, module_for_export
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ort_trainer.model_desc import ModelDescription
+from ort_trainer.config.model_desc import ModelDescription
 
 __all__ = [
     "ForwardBinding",

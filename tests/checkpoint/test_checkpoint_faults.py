@@ -17,22 +17,16 @@ import h5py
 import numpy as np
 import pytest
 import torch
+
+from ort_trainer import checkpoint
 from ort_trainer.checkpoint import CheckpointManager
 from ort_trainer.checkpoint.format import _atomic, _tempfile
-
-from ort_trainer import ORTTrainer, checkpoint, optim
-from tests.models import MLP, MLP_DESC, mlp_batches
+from tests.builders import mlp_trainer
+from tests.models import mlp_batches
 from tests.paths import REPO
 
 BATCHES = mlp_batches(4)
 TREE = {"w": torch.arange(12.0).reshape(3, 4), "step": 3}
-
-
-def _trainer(hidden: int = 16) -> ORTTrainer:
-    torch.manual_seed(0)
-    return ORTTrainer(
-        MLP(hidden=hidden), MLP_DESC, optim.AdamConfig(lr=0.01), loss_fn=torch.nn.functional.cross_entropy
-    )
 
 
 def _run(script: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -142,7 +136,8 @@ def test_an_async_save_started_at_exit_completes(tmp_path):
         f"""
         import atexit, torch
         from ort_trainer import ORTTrainer, optim
-        from tests.models import MLP, MLP_DESC, mlp_batches
+        from tests.builders import mlp_trainer
+from tests.models import mlp_batches
         torch.manual_seed(0)
         trainer = ORTTrainer(MLP(hidden=512), MLP_DESC, optim.AdamConfig(lr=0.01),
                              loss_fn=torch.nn.functional.cross_entropy)
@@ -157,7 +152,7 @@ def test_an_async_save_started_at_exit_completes(tmp_path):
 
 # ---------------------------------------------------------------- 3. saving a lower step
 def test_saving_a_lower_step_is_refused_and_deletes_nothing(tmp_path):
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*BATCHES[0])
     manager = CheckpointManager(tmp_path / "run", keep_last=1)
     manager.save(trainer, 10)
@@ -175,7 +170,7 @@ def test_a_remote_url_with_glob_characters_is_saved_at_that_exact_key(name):
     fsspec = pytest.importorskip("fsspec")
     fs = fsspec.filesystem("memory")
     folder = f"memory://faults-{zlib.crc32(name.encode())}/{name}"
-    trainer = _trainer()
+    trainer = mlp_trainer()
     trainer.train_step(*BATCHES[0])
     try:
         trainer.save_checkpoint(f"{folder}/ck.ortcp")
@@ -184,7 +179,7 @@ def test_a_remote_url_with_glob_characters_is_saved_at_that_exact_key(name):
         manager.save(trainer, 1)
         manager.save(trainer, 2)
         assert [info.step for info in manager.checkpoints()] == [2]
-        assert manager.restore(_trainer()).step == 2
+        assert manager.restore(mlp_trainer()).step == 2
         leftovers = [p for p in fs.find(folder) if ".tmp-" in p]
         assert leftovers == []
     finally:
@@ -193,7 +188,7 @@ def test_a_remote_url_with_glob_characters_is_saved_at_that_exact_key(name):
 
 # ---------------------------------------------------------------- 5. a save thread that cannot start
 def test_a_save_thread_that_cannot_start_leaves_the_trainer_usable(tmp_path, monkeypatch):
-    trainer = _trainer(hidden=4096)  # large tensors: the snapshot defers their copy to the save thread
+    trainer = mlp_trainer(hidden=4096)  # large tensors: the snapshot defers their copy to the save thread
     trainer.train_step(*BATCHES[0])
 
     def no_thread(self):
@@ -220,7 +215,7 @@ def test_file_urls_name_local_absolute_paths_and_other_hosts_are_refused(tmp_pat
         checkpoint.io.resolve("file://otherhost/data/ck.ortcp")
     assert checkpoint.io.resolve(f"file://localhost{tmp_path}/a.ortcp").path == tmp_path / "a.ortcp"
     assert checkpoint.io.resolve(f"file://{tmp_path}/b%20c.ortcp").path == tmp_path / "b c.ortcp"
-    trainer = _trainer()
+    trainer = mlp_trainer()
     with pytest.raises(ValueError, match="names the host 'runs'"):
         trainer.save_checkpoint("file://runs/ck.ortcp")
     assert not (tmp_path / "runs" / "ck.ortcp").exists()
@@ -228,7 +223,7 @@ def test_file_urls_name_local_absolute_paths_and_other_hosts_are_refused(tmp_pat
 
 # ---------------------------------------------------------------- 8. the low ones
 def test_a_step_beyond_the_names_of_the_manager_is_refused(tmp_path):
-    trainer = _trainer()
+    trainer = mlp_trainer()
     manager = CheckpointManager(tmp_path / "run")
     with pytest.raises(ValueError, match=r"step must be at most 999999999999999999 \(18 digits"):
         manager.save(trainer, 10**18)
@@ -251,7 +246,7 @@ def test_a_fifo_at_a_checkpoint_path_is_refused_without_hanging(tmp_path):
         def restore():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return manager.restore(_trainer())
+                return manager.restore(mlp_trainer())
 
         finished, result = _in_thread(restore, 60)
         assert finished, "restore blocked on a FIFO"
@@ -289,7 +284,7 @@ def test_a_pruning_failure_after_the_last_manager_call_is_reported_at_exit(tmp_p
 
 
 def test_manager_wait_raises_a_failed_save_once(tmp_path, monkeypatch):
-    trainer = _trainer()
+    trainer = mlp_trainer()
     manager = CheckpointManager(tmp_path / "run", async_save=True)
 
     def full_disk(tmp, path, overwrite):
@@ -312,7 +307,7 @@ def test_an_async_save_to_a_relative_path_ignores_a_later_chdir(tmp_path, monkey
     second.mkdir()
     real_copy = checkpoint.io._snapshot._copy
     monkeypatch.setattr(checkpoint.io._snapshot, "_copy", lambda pairs: (time.sleep(0.5), real_copy(pairs)))
-    trainer = _trainer(hidden=4096)
+    trainer = mlp_trainer(hidden=4096)
     trainer.train_step(*BATCHES[0])
     monkeypatch.chdir(first)
     handle = trainer.save_checkpoint("ck.ortcp", async_save=True)

@@ -1,0 +1,11 @@
+"""Why a step failed, said in the user's terms: input and label checks, and quiet native logs.
+
+- ``_input_checks``: input tensors, labels and ONNX inputs/outputs against the model description, and
+  explanations of ORT/trace failures that name the offending input;
+- ``_native_logs``: silence onnxruntime's native INFO chatter around calls that would print it.
+"""
+
+from ._input_checks import check_input_tensors, check_labels, check_onnx_io, explain_run_errors
+from ._native_logs import quiet_native_info_logs
+
+__all__ = ["check_input_tensors", "check_labels", "check_onnx_io", "explain_run_errors", "quiet_native_info_logs"]

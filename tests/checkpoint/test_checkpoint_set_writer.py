@@ -1,0 +1,187 @@
+"""The distributed save protocol (checkpoint/sets/_writer.py) with threads as ranks: styles, refusals, failures.
+
+A thread-backed all-gather stands in for the process group, so every branch (a rank failing to write,
+rank 0 failing to publish, leftovers of killed saves) runs in milliseconds; tests/test_distributed.py
+and tests/test_checkpoint_set_kills.py run the same code over gloo in real processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ort_trainer import checkpoint
+from ort_trainer.checkpoint.io import _set_writer as _writer
+from ort_trainer.checkpoint.io import resolve
+from tests.builders import legacy_trainer_options
+
+pytestmark = pytest.mark.processes  # every test here starts other processes
+
+
+class ThreadGroup:
+    """``world`` threads exchanging objects like ``dist.all_gather_object``."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=20)
+        self.slots: list = [None] * world
+
+    def rank(self, rank: int):
+        group = self
+
+        class Member:
+            def __init__(self):
+                self.rank, self.world_size = rank, group.world
+
+            def all_gather_object(self, value):
+                group.slots[rank] = value
+                group.barrier.wait()
+                out = list(group.slots)
+                group.barrier.wait()
+                return out
+
+        return Member()
+
+
+def run_ranks(world: int, fn) -> list:
+    """fn(comm) on ``world`` threads; returns each rank's result or exception."""
+    group, results = ThreadGroup(world), [None] * world
+
+    def target(rank):
+        try:
+            results[rank] = fn(group.rank(rank))
+        except BaseException as exc:  # collected for the test
+            results[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def tree(rank: int, world: int, value: float) -> dict:
+    return {
+        "model": {"full_precision": {"w": np.full(8, value, dtype=np.float32)}},
+        "trainer_options": legacy_trainer_options(
+            world_rank=rank, world_size=world, optimizer_name="SGDOptimizer", data_parallel_size=world
+        ),
+        "train_step_info": {"optimization_step": int(value), "step": int(value)},
+    }
+
+
+def save(paths, value: float, overwrite: bool = True, world: int = 2):
+    """Every rank saves ``tree(value)``; ``paths`` is one path for all or one per rank."""
+
+    def fn(comm):
+        path = paths[comm.rank] if isinstance(paths, list) else paths
+        plan = _writer.plan_set_save(comm, resolve(path), overwrite)
+        state = tree(comm.rank, comm.world_size, value)
+        state["distributed"] = {"run_id": plan.run_id}
+        return _writer.write_set(plan, comm, state, int(value))
+
+    return run_ranks(world, fn)
+
+
+def ok(results):
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    return results
+
+
+def test_shared_path_replaces_the_old_set_and_removes_leftovers_of_killed_saves(tmp_path):
+    path = tmp_path / "ckpt.ortcp"
+    ok(save(path, 1.0))
+    first = checkpoint.read_manifest(checkpoint.manifest_path(path))
+    (tmp_path / "ckpt.rank1-of-2.deadbeef.ortcp").write_bytes(b"a killed save's rank file")
+    (tmp_path / "ckpt.rank0-of-2.ortcp").write_bytes(b"a set from before save ids, not listed")
+    (tmp_path / "ckpt.rank1-of-2.notes.ortcp").write_bytes(b"not ours: not a save id")
+    ok(save(path, 2.0))
+    second = checkpoint.check_manifest(checkpoint.manifest_path(path))
+    assert second.run_id != first.run_id and second.step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt.ortcp.manifest.json", "ckpt.rank1-of-2.notes.ortcp", *(e.name for e in second.files)]
+    )
+    state = checkpoint.aggregate_checkpoints(checkpoint.manifest_path(path))
+    assert state["train_step_info"]["step"] == 2 and float(state["model"]["full_precision"]["w"][0]) == 2.0
+
+
+def test_refusals_are_the_same_on_every_rank_and_nothing_is_written(tmp_path):
+    results = save([tmp_path / "a.ortcp", tmp_path / "a.ortcp", tmp_path / "b.ortcp"], 1.0, world=3)
+    assert all(
+        isinstance(r, ValueError) and "same path on some ranks and different paths on others" in str(r) for r in results
+    ), results
+    ok(save(tmp_path / "s.ortcp", 1.0))
+    results = save(tmp_path / "s.ortcp", 2.0, overwrite=False)
+    assert all(
+        isinstance(r, checkpoint.CheckpointExistsError) and "s.ortcp.manifest.json already exists" in str(r)
+        for r in results
+    ), results
+    ok(save([tmp_path / "r0.ortcp", tmp_path / "r1.ortcp"], 1.0))
+    results = save([tmp_path / "r0.ortcp", tmp_path / "r1.ortcp"], 2.0, overwrite=False)
+    assert all(isinstance(r, checkpoint.CheckpointExistsError) and "rank 1: " in str(r) for r in results), results
+    results = save(tmp_path / "missing" / "x.ortcp", 1.0)
+    assert all(isinstance(r, FileNotFoundError) and "does not exist" in str(r) for r in results), results
+    assert not list(tmp_path.glob("b*")) and not (tmp_path / "missing").exists()
+
+
+def test_a_rank_failing_to_write_fails_the_save_everywhere_and_keeps_the_previous_set(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.ortcp"
+    ok(save(path, 1.0))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    real = _writer.write_file
+
+    def rank1_disk_full(tree, target, **kwargs):
+        if ".rank1-of-2." in target.name:
+            raise OSError(28, "No space left on device", target.display)
+        return real(tree, target, **kwargs)
+
+    monkeypatch.setattr(_writer, "write_file", rank1_disk_full)
+    results = save(path, 2.0)
+    assert isinstance(results[1], OSError) and "No space left" in str(results[1])
+    assert isinstance(results[0], checkpoint.CheckpointError), results[0]
+    assert "rank(s) [1] failed to write their file" in str(results[0]) and "previous set is intact" in str(results[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # rank 0's new file was removed again
+    assert checkpoint.check_manifest(checkpoint.manifest_path(path)).step == 1
+
+
+def test_rank0_failing_to_publish_the_manifest_fails_everywhere_and_removes_the_new_files(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.ortcp"
+    ok(save(path, 1.0))
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def broken(plan, reports, step):
+        raise OSError(5, "Input/output error", plan.manifest.display)
+
+    monkeypatch.setattr(_writer, "_publish_manifest", broken)
+    results = save(path, 2.0)
+    assert isinstance(results[0], OSError)
+    assert isinstance(results[1], checkpoint.CheckpointError) and "rank 0 failed to write the manifest" in str(
+        results[1]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert checkpoint.check_manifest(checkpoint.manifest_path(path)).step == 1
+
+
+def test_one_path_per_rank_writes_exactly_those_files(tmp_path):
+    paths = [tmp_path / "ckpt_rank0.ortcp", tmp_path / "ckpt_rank1.ortcp"]
+    results = ok(save(paths, 3.0))
+    assert results == [[str(paths[0])], [str(paths[1])]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_rank0.ortcp", "ckpt_rank1.ortcp"]
+    assert checkpoint.aggregate_checkpoints(paths[::-1])["train_step_info"]["step"] == 3
+
+
+def test_a_set_on_object_storage(tmp_path):
+    url = "memory://sets/run/ckpt.ortcp"
+    ok(save(url, 1.0))
+    ok(save(url, 2.0))
+    fs = resolve(url).fs
+    names = sorted(Path(p).name for p in fs.ls("/sets/run", detail=False))
+    manifest = fs.cat_file("/sets/run/ckpt.ortcp.manifest.json").decode()
+    assert len(names) == 3 and all(name in manifest for name in names if name.endswith(".ortcp")), names
+    with checkpoint.io.local_inputs(url + ".manifest.json") as local:
+        assert checkpoint.aggregate_checkpoints(local)["train_step_info"]["step"] == 2

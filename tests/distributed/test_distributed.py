@@ -1,0 +1,200 @@
+"""Multi-process data parallel and ZeRO (gloo on 127.0.0.1), against one process on the whole batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ort_trainer import checkpoint
+from tests.dist_runs import assert_full_state_equal, launch, single_process
+from tests.dist_worker import make_trainer
+from tests.models import mlp_batches
+from tests.ranks import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_process()
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(("world", "zero"), [(2, 0), (2, 1), (3, 2)])
+def test_data_parallel_and_zero_match_one_process_on_the_whole_batch(tmp_path, reference, world, zero):
+    trainer, losses = reference
+    ranks = launch(world, tmp_path, "--zero", zero)
+    expected = trainer.state_dict(pytorch_format=True)
+    for state in ranks:  # every rank holds the same full weights, equal to the single-process run
+        for name, value in expected.items():
+            torch.testing.assert_close(state["weights"][name], value, atol=2e-6, rtol=1e-5)
+        assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
+    # per-rank losses average to the whole-batch loss (equal shard sizes)
+    mean_loss = torch.stack([s["losses"] for s in ranks]).mean(0)
+    torch.testing.assert_close(mean_loss, torch.tensor(losses), atol=1e-5, rtol=1e-5)
+    total = sum(p.numel() for p in trainer.state_dict(pytorch_format=True).values()) * 2  # two moments
+    numel = [s["optimizer_numel"] for s in ranks]
+    if zero:
+        assert sum(numel) == total and max(numel) <= total / world + 96 * 2, numel  # ~1/W of the moments each
+    else:
+        assert numel == [total] * world
+
+
+@pytest.mark.processes
+def test_zero_checkpoint_set_aggregates_to_the_single_process_state(tmp_path, reference):
+    trainer, _ = reference
+    path = tmp_path / "ckpt.ortcp"
+    launch(2, tmp_path / "run", "--zero", 1, "--save", path)
+    manifest = checkpoint.manifest_path(path)
+    files = checkpoint.check_manifest(manifest).rank_paths()  # present, with the sizes and CRC-32s each rank reported
+    run_id = checkpoint.read_manifest(manifest).run_id
+    assert [p.name for p in files] == [f"ckpt.rank{r}-of-2.{run_id[:8]}.ortcp" for r in range(2)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
+        [manifest.name, *(p.name for p in files)]
+    )
+    rank0 = checkpoint.load(files[0])
+    assert rank0["trainer_options"]["zero_stage"] == 1 and rank0["trainer_options"]["world_size"] == 2
+    assert rank0["partition_info"]["fc1.weight"]["megatron_row_partition"] == [-1]  # fc1.weight straddles ranks
+    full = checkpoint.aggregate_checkpoints(manifest)
+    assert_full_state_equal(full, trainer.state_dict())
+    with pytest.raises(checkpoint.CheckpointError, match="rank"):
+        checkpoint.aggregate_checkpoints([files[0]])
+    assert checkpoint.aggregate_checkpoints([manifest])["train_step_info"] == full["train_step_info"]  # list of one
+
+
+@pytest.mark.processes
+@pytest.mark.faults  # 2 processes, 4 background saves: `make test-faults` (the manager test below runs async sets)
+def test_async_saves_during_training_publish_complete_sets_and_replace_the_old_ones(tmp_path, reference):
+    trainer, losses = reference
+    path = tmp_path / "ckpt.ortcp"
+    ranks = launch(
+        2, tmp_path / "run", "--zero", 1, "--save-every", 2, "--async-save", "--overwrite", "--save", path
+    )  # saves at steps 2, 4, 6 (in the background while training goes on) and 8; the last one at exit
+    mean_loss = torch.stack([s["losses"] for s in ranks]).mean(0)
+    torch.testing.assert_close(mean_loss, torch.tensor(losses), atol=1e-5, rtol=1e-5)  # training undisturbed
+    manifest = checkpoint.check_manifest(checkpoint.manifest_path(path))
+    assert manifest.step == 8
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
+        [manifest.path.name, *(e.name for e in manifest.files)]
+    )  # the sets of steps 2, 4 and 6 were removed once the next one was published
+    assert_full_state_equal(checkpoint.aggregate_checkpoints(manifest.path), trainer.state_dict())
+
+
+@pytest.mark.processes
+def test_checkpoint_manager_on_two_ranks_resumes_the_latest_set(tmp_path, reference):
+    trainer, losses = reference
+    run = tmp_path / "ckpts"
+    launch(2, tmp_path / "first", "--zero", 1, "--stop", 5, "--save-every", 2, "--async-save", "--manager", run)
+    assert sorted(p.name for p in run.iterdir() if not p.name.endswith(".ortcp")) == [
+        "ckpt-000000004.ortcp.manifest.json",
+        "ort_trainer_checkpoints.json",
+    ]  # keep_last=1: the set of step 2 was pruned once step 4's was published
+    ranks = launch(2, tmp_path / "second", "--zero", 1, "--save-every", 2, "--manager", run)  # restores step 4
+    mean_loss = torch.stack([s["losses"] for s in ranks]).mean(0)
+    torch.testing.assert_close(mean_loss, torch.tensor(losses[4:]), atol=1e-5, rtol=1e-5)
+    for state in ranks:
+        assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
+    latest = checkpoint.CheckpointManager(run).latest()
+    assert latest.step == 8 and latest.path.endswith("ckpt-000000008.ortcp.manifest.json")
+    assert_full_state_equal(checkpoint.aggregate_checkpoints(latest.path), trainer.state_dict())
+    assert len(list(run.glob("*.ortcp"))) == 2  # the two rank files of step 8
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(("before", "after"), [((2, 1), (3, 2)), ((3, 2), (2, 1))])
+def test_reshard_and_continue_matches_uninterrupted_training(tmp_path, reference, before, after):
+    trainer, _ = reference
+    path = tmp_path / "half.ortcp"
+    launch(before[0], tmp_path / "first", "--zero", before[1], "--stop", 4, "--save", path)
+    ranks = launch(
+        after[0], tmp_path / "second", "--zero", after[1], "--start", 4, "--load", checkpoint.manifest_path(path)
+    )
+    for state in ranks:
+        assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
+        for name, value in trainer.state_dict(pytorch_format=True).items():
+            torch.testing.assert_close(state["weights"][name], value, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.processes
+def test_reshard_two_ranks_to_one_process(tmp_path, reference):
+    trainer, _ = reference
+    path = tmp_path / "half.ortcp"
+    launch(2, tmp_path / "first", "--zero", 2, "--stop", 4, "--save", path)
+    single = make_trainer(0, True)
+    single.load_checkpoint(checkpoint.manifest_path(path))
+    for batch in mlp_batches(8, batch=12)[4:]:
+        single.train_step(*batch)
+    assert_full_state_equal(single.state_dict(), trainer.state_dict())
+
+
+def test_options_that_contradict_the_existing_process_group_are_rejected():
+    import torch.distributed as dist
+
+    from ort_trainer import ORTTrainer, optim
+    from tests.models import MLP, MLP_DESC
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(
+            ValueError, match="world_rank=1, world_size=2, but the existing default process group has rank 0 of 1"
+        ):
+            ORTTrainer(
+                MLP(),
+                MLP_DESC,
+                optim.AdamConfig(),
+                loss_fn=torch.nn.functional.cross_entropy,
+                options={"distributed": {"world_size": 2, "world_rank": 1}},
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_missing_rendezvous_environment_is_a_clear_error(monkeypatch):
+    from ort_trainer import ORTTrainer, optim
+    from tests.models import MLP, MLP_DESC
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match="launch with torchrun"):
+        ORTTrainer(
+            MLP(),
+            MLP_DESC,
+            optim.AdamConfig(),
+            loss_fn=torch.nn.functional.cross_entropy,
+            options={"distributed": {"world_size": 2, "world_rank": 0}},
+        )
+
+
+@pytest.mark.processes
+def test_legacy_per_rank_paths_each_rank_writes_exactly_its_file(tmp_path, reference):
+    """issue 10.3: `save_checkpoint(f"ckpt_rank{rank}.ortcp")` on every rank, then aggregate / load all the files."""
+    trainer, _ = reference
+    launch(2, tmp_path / "run", "--zero", 1, "--save-every", 4, "--save", tmp_path / "ck_s{step}_r{rank}.ortcp")
+    written = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert written == ["ck_s4_r0.ortcp", "ck_s4_r1.ortcp", "ck_s8_r0.ortcp", "ck_s8_r1.ortcp"]  # no manifest, no temp
+    final = [tmp_path / "ck_s8_r1.ortcp", tmp_path / "ck_s8_r0.ortcp"]
+    assert_full_state_equal(checkpoint.aggregate_checkpoints(final), trainer.state_dict())
+    # the files describe themselves: rank, world size, ZeRO stage, step and the save's run id
+    metas = [checkpoint.load(p, key="trainer_options") for p in final]
+    assert [(m["world_rank"], m["world_size"], m["zero_stage"]) for m in metas] == [(1, 2, 1), (0, 2, 1)]
+    run_ids = {p.name: checkpoint.load(p, key="distributed/run_id") for p in tmp_path.glob("*.ortcp")}
+    assert run_ids["ck_s8_r0.ortcp"] == run_ids["ck_s8_r1.ortcp"] != run_ids["ck_s4_r0.ortcp"]
+    with pytest.raises(checkpoint.AggregationError, match=r"missing rank\(s\) \[1\]"):
+        checkpoint.aggregate_checkpoints([tmp_path / "ck_s8_r0.ortcp"])
+    with pytest.raises(checkpoint.AggregationError, match="run_id differs"):
+        checkpoint.aggregate_checkpoints([tmp_path / "ck_s4_r0.ortcp", tmp_path / "ck_s8_r1.ortcp"])
+    with pytest.raises(checkpoint.AggregationError, match="rank 0 appears 2 times"):
+        checkpoint.aggregate_checkpoints([*final, tmp_path / "ck_s4_r0.ortcp"])
+    single = make_trainer(0, True)  # the legacy load: every rank file, into any world size
+    single.load_checkpoint(*final)
+    single.train_step(*mlp_batches(1, batch=12)[0])  # the loaded state is applied when the graphs are built
+    assert single.train_step_info.step == 9
+
+
+@pytest.mark.processes
+def test_bad_distributed_saves_fail_on_every_rank_without_hanging(tmp_path):
+    path = tmp_path / "ck.ortcp"
+    launch(2, tmp_path / "b", "--stop", 2, "--save", path)
+    launch(2, tmp_path / "c", "--stop", 2, "--save", path, "--expect-save-error", "already exists")

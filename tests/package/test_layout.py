@@ -1,0 +1,179 @@
+"""The house stays readable: no import circles between our modules, every package declares ``__all__``.
+
+Imports are read from the source (``ast``); imports under ``if TYPE_CHECKING:`` are for annotations only
+and do not count. Module names are the installed ones (``ort_trainer.checkpoint.format._codec``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.paths import REPO
+
+_ROOTS = {"ort_trainer": REPO / "ort_trainer", **{f"ort_trainer.{p}": REPO / p for p in ("checkpoint", "optim", "amp")}}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in _ROOTS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _imports(tree: ast.Module, type_checking: bool) -> list[ast.Import | ast.ImportFrom]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree) if not type_checking else ():
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped]
+
+
+def _import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in _imports(ast.parse(path.read_text()), type_checking):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".") if is_package else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def _is_parent_package_edge(a: str, b: str) -> bool:
+    """A package's ``__init__`` importing its own submodule (and that submodule importing a sibling via the
+    package) is how Python packages work; only cycles between non-ancestor modules are circles."""
+    return b.startswith(a + ".") or a.startswith(b + ".")
+
+
+def test_no_import_circles():
+    graph = {
+        name: {t for t in edges if not _is_parent_package_edge(name, t)} for name, edges in _import_graph().items()
+    }
+    cycle = _find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_trainer_state_modules_do_not_import_the_trainer():
+    """Not even for annotations: they work on the explicit `TrainerState`."""
+    graph = _import_graph(type_checking=True)
+    for name, edges in graph.items():
+        if name.startswith(("ort_trainer._state", "ort_trainer.engine")):
+            assert "ort_trainer.trainer" not in edges, name
+
+
+def _folder_of(module: str) -> str:
+    """The top-level folder a module lives in (``ort_trainer.checkpoint.io`` -> ``ort_trainer.checkpoint``)."""
+    return max((p for p in _ROOTS if module == p or module.startswith(p + ".")), key=len)
+
+
+def test_packages_meet_only_at_public_seams():
+    """No module of one top-level folder imports an underscored module or name of another folder."""
+    crossings = []
+    for name, path in _modules().items():
+        here = _folder_of(name)
+        is_package = path.name == "__init__.py"
+        for node in _imports(ast.parse(path.read_text()), type_checking=True):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("ort_trainer") or _folder_of(base) == here:
+                continue
+            tail = base[len(_folder_of(base)) :].split(".")
+            private = [p for p in tail if p.startswith("_")]
+            private += [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if private:
+                crossings.append(f"{path.relative_to(REPO)}:{node.lineno} imports {base} {private}")
+    assert not crossings, "\n".join(crossings)
+
+
+def test_config_and_checkpoint_rooms_import_one_way():
+    """config/ is read by every room and reads none; in checkpoint/, sets/ and format/ never import io/."""
+    graph = _import_graph(type_checking=True)
+    rooms = ("ort_trainer.graph", "ort_trainer.engine", "ort_trainer._state", "ort_trainer.diagnosis")
+    lower = {
+        "ort_trainer.config": (*rooms, "ort_trainer.trainer"),
+        "ort_trainer.checkpoint.sets": ("ort_trainer.checkpoint.io", "ort_trainer.checkpoint.manager"),
+        "ort_trainer.checkpoint.format": ("ort_trainer.checkpoint.io", "ort_trainer.checkpoint.sets"),
+    }
+    for name, edges in graph.items():
+        for room, forbidden in lower.items():
+            if name.startswith(room):
+                wrong = sorted(e for e in edges if e.startswith(forbidden))
+                assert not wrong, f"{name} imports {wrong}"
+
+
+def test_every_package_declares_its_public_api():
+    for name, path in _modules().items():
+        if path.name == "__init__.py":
+            tree = ast.parse(path.read_text())
+            names = {
+                t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if hasattr(t, "id")
+            }
+            assert "__all__" in names, f"{name} ({path}) has no __all__"
+
+
+def test_checkpoint_package_shows_its_parts():
+    folder = _ROOTS["ort_trainer.checkpoint"]
+    rooms = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert {"format", "sets", "cli"} <= rooms
+    assert (folder / "format" / "FORMAT.md").exists()
+
+
+def test_trainer_package_shows_its_parts_and_imports_go_one_way():
+    """graph/ (making the training graph) never imports engine/ (running it) or the state code."""
+    folder = _ROOTS["ort_trainer"]
+    rooms = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert {"config", "graph", "diagnosis", "engine", "_state"} <= rooms
+    flat = {p.name for p in folder.glob("*.py")}
+    assert flat == {"__init__.py", "trainer.py", "train_step_info.py"}, flat
+    assert (folder / "graph" / "rewrites" / "__init__.py").exists()
+    above = {
+        "ort_trainer.graph": ("ort_trainer.engine", "ort_trainer._state", "ort_trainer.trainer"),
+        "ort_trainer.engine": ("ort_trainer._state", "ort_trainer.trainer"),
+    }
+    for name, edges in _import_graph(type_checking=True).items():
+        for room, forbidden in above.items():
+            if name.startswith(room):
+                wrong = sorted(e for e in edges if e.startswith(forbidden))
+                assert not wrong, f"{name} imports {wrong}"
