@@ -134,13 +134,10 @@ def test_an_async_save_started_at_exit_completes(tmp_path):
     path = tmp_path / "exit.ortcp"
     result = _run(
         f"""
-        import atexit, torch
-        from ort_trainer import ORTTrainer, optim
+        import atexit
         from tests.builders import mlp_trainer
-from tests.models import mlp_batches
-        torch.manual_seed(0)
-        trainer = ORTTrainer(MLP(hidden=512), MLP_DESC, optim.AdamConfig(lr=0.01),
-                             loss_fn=torch.nn.functional.cross_entropy)
+        from tests.models import mlp_batches
+        trainer = mlp_trainer(hidden=512)
         trainer.train_step(*mlp_batches(1)[0])
         atexit.register(lambda: trainer.save_checkpoint({str(path)!r}, async_save=True))
         """
