@@ -5,6 +5,9 @@ One top-level import package, ``ort_trainer``. Its subpackages ``ort_trainer.che
 (``checkpoint/``, ``optim/``, ``amp/``) and are mapped into the namespace by ``package_dir``.
 """
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 _SUBPACKAGES = ("checkpoint", "optim", "amp")
@@ -20,29 +23,75 @@ def _packages() -> tuple[list[str], dict[str, str]]:
     return sorted(set(packages)), package_dir
 
 
+def _version() -> str:
+    """The one place the version is written: ``__version__`` in ort_trainer/__init__.py."""
+    text = Path(__file__).with_name("ort_trainer").joinpath("__init__.py").read_text(encoding="utf-8")
+    return re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE).group(1)
+
+
 PACKAGES, PACKAGE_DIR = _packages()
+
+# Ranges, not pins: the lower bound is the version CI installs and tests (requirements.txt, the lock file of
+# the test environment); the upper bound is the next major (minor for torch) release nobody has tried yet.
+INSTALL_REQUIRES = [
+    # torch 2.13 is what CI tests; 2.14 resolves and imports beside us (tests/package/test_packaging.py).
+    "torch>=2.13,<2.15",
+    # The last onnxruntime-training release; its training APIs (onnxblock, training sessions) are what we drive.
+    "onnxruntime-training==1.19.2",
+    # Pinned: onnx >= 1.18 writes IR version 11+ models, which onnxruntime(-training) 1.19.2 refuses to load.
+    "onnx==1.17.0",
+    "numpy>=2.2.6,<3",
+    "h5py>=3.16,<4",
+    "tqdm>=4.70.1,<5",
+    "crc32c>=2.9.post0,<3",
+]
+
+EXTRAS_REQUIRE = {
+    # checkpoints at fsspec URLs (memory://, file://, ...); s3:// needs s3fs too
+    "fsspec": ["fsspec>=2026.9.0"],
+    "s3": ["fsspec>=2026.9.0", "s3fs>=2026.9.0"],
+    # `ort-trainer-ckpt convert` to and from .safetensors files
+    "safetensors": ["safetensors>=0.8.0,<1"],
+    # the scripts in samples/ (loss curves)
+    "samples": ["matplotlib>=3.11.2"],
+    # ort_trainer.hf.Trainer: transformers.Trainer on ONNX Runtime (docs/hf.md)
+    "hf": ["transformers>=5.23,<6", "accelerate>=1.1"],
+    # everything `make test` / `make lint` need on top of the above (versions locked by requirements.txt)
+    "dev": [
+        "pytest>=9.2",
+        "ruff>=0.17.6",
+        "safetensors>=0.8.0,<1",
+        "matplotlib>=3.11.2",
+        "google-crc32c>=1.9.0",
+        "transformers>=5.23,<6",
+        "accelerate>=1.1",
+        "fsspec>=2026.9.0",
+        "s3fs>=2026.9.0",
+        "moto[server]>=5.2.5",
+        "protobuf>=7.36.2",
+    ],
+}
 
 setup(
     name="ort_trainer",
-    version="0.1.0",
+    version=_version(),
     description="Train PyTorch or ONNX models on ONNX Runtime; HDF5 checkpoints with ZeRO/Megatron aggregation.",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license_expression="MIT",  # SPDX (PEP 639); compatible with ONNX Runtime (MIT) and PyTorch (BSD-3-Clause)
+    license_files=["LICENSE"],
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Operating System :: POSIX :: Linux",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Typing :: Typed",
+    ],
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"ort_trainer.checkpoint.format": ["FORMAT.md"]},
+    package_data={"ort_trainer": ["py.typed"], "ort_trainer.checkpoint.format": ["FORMAT.md"]},
     python_requires=">=3.11",
-    install_requires=[
-        "torch==2.13.0",
-        "onnxruntime-training==1.19.2",
-        "onnx==1.17.0",
-        "numpy",
-        "h5py",
-        "tqdm",
-        "crc32c",
-    ],
-    extras_require={
-        # checkpoints at fsspec URLs (memory://, file://, ...); s3:// needs s3fs too
-        "fsspec": ["fsspec"],
-        "s3": ["fsspec", "s3fs"],
-    },
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
     entry_points={"console_scripts": ["ort-trainer-ckpt=ort_trainer.checkpoint.__main__:main"]},
 )

@@ -2,7 +2,9 @@
 
 ``step`` counts ``train_step`` calls (micro-steps); ``optimization_step`` counts completed
 optimizer updates (it lags ``step`` under gradient accumulation and skips overflowed fp16 steps).
-Only the two counters are state (``state_dict()``); the rest describes the current step.
+The two counters are state (``state_dict()``), and ``seed`` when set: the run's random seed, from which
+the trainer derives every step's Dropout masks (so that a resumed run draws the masks the uninterrupted
+run drew). The rest describes the current step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 __all__ = ["TrainStepInfo"]
 
 _STATE_KEYS = ("optimization_step", "step")
+_SEED_KEY = "seed"  # optional: absent in files written before it existed (and by the legacy ORTTrainer)
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -43,7 +46,8 @@ class TrainStepInfo:
     """Per-step information for schedulers and loss scalers; every attribute is validated on assignment.
 
     Attributes: ``optimizer_config``, ``all_finite`` (bool, False when the fp16 step overflowed),
-    ``fetches`` (list of output names the user asked for), ``optimization_step``, ``step``.
+    ``fetches`` (list of output names the user asked for), ``optimization_step``, ``step``, ``seed``
+    (the run's random seed, an int >= 0, or None where no trainer set one).
     """
 
     def __init__(
@@ -53,8 +57,10 @@ class TrainStepInfo:
         fetches: list[str] | None = None,
         optimization_step: int = 0,
         step: int = 0,
+        seed: int | None = None,
     ) -> None:
         self.optimizer_config = optimizer_config
+        self.seed = seed
         self.all_finite = all_finite
         self.fetches = [] if fetches is None else fetches
         self.optimization_step = optimization_step
@@ -114,26 +120,41 @@ class TrainStepInfo:
     def step(self, value: int) -> None:
         self._step = _as_int("step", value)
 
+    @property
+    def seed(self) -> int | None:
+        """The run's random seed (Dropout masks of step n come from it, the rank and n); None if not set."""
+        return self._seed
+
+    @seed.setter
+    def seed(self, value: int | None) -> None:
+        self._seed = None if value is None else _as_int("seed", value)
+
     def state_dict(self) -> dict[str, int]:
-        """The counters: ``{"optimization_step": int, "step": int}``."""
-        return {"optimization_step": self._optimization_step, "step": self._step}
+        """The counters: ``{"optimization_step": int, "step": int}``, plus ``"seed"`` when it is set."""
+        state = {"optimization_step": self._optimization_step, "step": self._step}
+        if self._seed is not None:
+            state[_SEED_KEY] = self._seed
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Validate both counters (exact keys, ints >= 0), then assign; a failure changes nothing."""
+        """Validate both counters (exact keys, ints >= 0) and the optional seed, then assign; a failure changes
+        nothing. Without ``"seed"`` (older files) the current seed stays."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"TrainStepInfo state_dict must be a dict, got {type(state_dict).__name__}")
         missing = sorted(set(_STATE_KEYS) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(_STATE_KEYS), key=str)
+        unexpected = sorted(set(state_dict) - set(_STATE_KEYS) - {_SEED_KEY}, key=str)
         if missing or unexpected:
             raise ValueError(
                 f"TrainStepInfo state_dict keys do not match: missing {missing}, unexpected {unexpected}; "
-                f"expected exactly {list(_STATE_KEYS)}"
+                f"expected exactly {list(_STATE_KEYS)} (and optionally {_SEED_KEY!r})"
             )
         values = {key: _as_int(key, state_dict[key]) for key in _STATE_KEYS}
-        self._optimization_step, self._step = values["optimization_step"], values["step"]
+        seed = _as_int(_SEED_KEY, state_dict[_SEED_KEY]) if _SEED_KEY in state_dict else self._seed
+        self._optimization_step, self._step, self._seed = values["optimization_step"], values["step"], seed
 
     def __repr__(self) -> str:
         return (
             f"TrainStepInfo(optimizer_config={self._optimizer_config!r}, all_finite={self._all_finite}, "
-            f"fetches={self._fetches!r}, optimization_step={self._optimization_step}, step={self._step})"
+            f"fetches={self._fetches!r}, optimization_step={self._optimization_step}, step={self._step}, "
+            f"seed={self._seed})"
         )

@@ -20,11 +20,13 @@ from ort_trainer.checkpoint.io import SaveHandle
 from ort_trainer.engine import TrainerState
 from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
+from ort_trainer.engine._random import agreed_run_seed
 from ort_trainer.engine._session import resolve_device
 from ort_trainer.engine._step import eval_step, train_step
 from ort_trainer.engine._store import build_store
 from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
 from ort_trainer.optim.config import OptimizerConfig
+from ort_trainer.parallel import HorizontalParallel
 
 from . import _state
 from ._state import StateDictOptions, load_trainer_checkpoint, save_trainer_checkpoint
@@ -78,6 +80,8 @@ class ORTTrainer:
                 "tensors, which ZeRO splits across ranks; use AdamConfig or SGDConfig, or zero stage 0"
             )
         dist_options = options.distributed
+        if dist_options.horizontal_parallel_size > 1:  # before any process group exists
+            HorizontalParallel.check_supported(model, options, optim_config)
         dist = (
             DistributedContext(dist_options.world_rank, dist_options.world_size, device.torch_device)
             if dist_options.world_size > 1
@@ -86,8 +90,17 @@ class ORTTrainer:
         if isinstance(model, onnx.ModelProto):
             check_onnx_io(model, model_desc)
         # The whole state exists from here on (parameters, optimizer, frozen state), before any graph.
+        # Megatron (horizontal parallel): the state is built from this rank's slice of the model (docs/megatron.md)
+        horizontal = (
+            HorizontalParallel(model, options, optim_config, device.torch_device)
+            if dist_options.horizontal_parallel_size > 1
+            else None
+        )
+        store_dist = dist
+        if horizontal is not None:
+            model, store_dist = horizontal.model, horizontal.data_parallel
         store = build_store(
-            model, optim_config, tuple(options.utils.frozen_weights), device.torch_device, dist, zero_stage
+            model, optim_config, tuple(options.utils.frozen_weights), device.torch_device, store_dist, zero_stage
         )
         self._trainer_state = TrainerState(
             options=options,
@@ -97,8 +110,9 @@ class ORTTrainer:
             model=model,
             device=device,
             store=store,
-            train_step_info=TrainStepInfo(optim_config),
+            train_step_info=TrainStepInfo(optim_config, seed=agreed_run_seed(dist)),
             dist=dist,
+            horizontal=horizontal,
         )
 
     # ------------------------------------------------------------------ properties
@@ -157,6 +171,8 @@ class ORTTrainer:
         the label) and gives the same outputs as ``eval_step``.
         """
         target = _check_output_path(path)
+        if self._trainer_state.horizontal is not None:
+            raise NotImplementedError("save_as_onnx with horizontal_parallel_size > 1: each rank holds a slice")
         engine = self._require_engine("save_as_onnx")
         onnx.save(_state.eval_model_with_weights(engine), os.fspath(target))
 
@@ -375,6 +391,7 @@ class ORTTrainer:
             extra_postprocess=self.options._internal_use.extra_postprocess,
             zero_stage=self.options.distributed.deepspeed_zero_optimization.stage,
             mixed_precision=bool(self.options.mixed_precision.enabled),
+            horizontal=self._trainer_state.horizontal,
         )
 
     def _require_engine(self, what: str) -> Engine:

@@ -16,8 +16,8 @@ it reports step KILL_AT, as a preempted machine or the OOM killer would: no hand
 and the kill lands wherever the run is, a background save included. A second child on the same folder
 resumes; a third trains STEPS steps without interruption, for reference. The parent draws both loss curves
 into OUT_DIR/resume.png and prints the largest difference between them: 0.0, because everything a step
-depends on is either in the checkpoint (weights, Adam moments and counters, the LR schedule's position) or a
-pure function of the step number (the batch, the dropout masks).
+depends on is either in the checkpoint (weights, Adam moments and counters, the LR schedule's position, the
+run's random seed that the dropout masks come from) or a pure function of the step number (the batch).
 """
 
 import argparse
@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-import onnxruntime
 import torch
 from model import CharTransformer, get_batch, lm_loss, load_corpus
 from tqdm import tqdm
@@ -48,7 +47,7 @@ BATCH = 16
 D_MODEL = 64
 LAYERS = 2
 HEADS = 4
-DROPOUT = 0.1  # kept: the masks are reseeded from the step number (see the training loop)
+DROPOUT = 0.1  # kept: the trainer draws step n's masks from the checkpointed seed and n (docs/reproducibility.md)
 STEPS = 200
 LR = 1e-2
 WARMUP = 0.05
@@ -190,9 +189,6 @@ else:
 
 progress = tqdm(range(resumed_from + 1, STEPS + 1), desc="train", unit="step", initial=resumed_from, total=STEPS)
 for step in progress:
-    # Dropout masks come from ONNX Runtime's global random generator, which no checkpoint holds; reseeding it
-    # from the step number makes every step's masks the same in a fresh process as in an uninterrupted one.
-    onnxruntime.set_seed(SEED * 100_000 + step)
     loss = trainer.train_step(*batch_of_step(step)).item()
     losses.append(loss)
     progress.set_postfix(loss=f"{loss:.3f}")

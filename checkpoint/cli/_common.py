@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 import h5py
 import numpy as np
-import torch
 
 from ..errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
 from ..format._h5_reader import DatasetInfo
 from ..format._h5_writer import _fsync, _publish
+from ..format._lazy_torch import is_tensor, is_torch_dtype, torch
 from ..sets._manifest import is_manifest
 
 __all__ = [
@@ -53,17 +53,19 @@ def key_str(key: tuple[str, ...]) -> str:
     return "/".join(key)
 
 
-def dtype_name(dtype: torch.dtype | type) -> str:
-    """'float32' for torch.float32, 'int' for int, 'NoneType' for None."""
-    if isinstance(dtype, torch.dtype):
+def dtype_name(dtype: torch.dtype | np.dtype | type) -> str:
+    """'float32' for torch.float32 (and numpy's float32), 'int' for int, 'NoneType' for None."""
+    if is_torch_dtype(dtype):
         return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, np.dtype):
+        return dtype.name
     return dtype.__name__
 
 
 def value_nbytes(info: DatasetInfo) -> int | None:
     """Bytes of array data (numel * itemsize) and of numeric scalars; None for str/bytes/lists (unknown unread)."""
-    if isinstance(info.dtype, torch.dtype):
-        return math.prod(info.shape) * info.dtype.itemsize
+    if info.is_array:
+        return info.nbytes
     size = _SCALAR_NBYTES.get(info.dtype)
     return None if size is None else size * math.prod(info.shape)
 
@@ -74,10 +76,9 @@ def jsonable(value: Any) -> Any:
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
-    if isinstance(value, np.ndarray | np.generic):
-        value = torch.from_numpy(np.asarray(value))
-    if isinstance(value, torch.Tensor):
-        if value.numel() <= _INLINE_NUMEL and not value.is_complex():
+    if isinstance(value, np.ndarray | np.generic) or is_tensor(value):
+        complex_ = value.is_complex() if is_tensor(value) else np.iscomplexobj(value)
+        if math.prod(value.shape) <= _INLINE_NUMEL and not complex_:
             return jsonable(value.tolist())
         return f"<tensor shape {list(value.shape)} {dtype_name(value.dtype)}>"
     if isinstance(value, bytes):

@@ -15,12 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointFormatError
 from ..format import _schema as S
 from ..format._h5_reader import open_checkpoint
 from ..format._h5_writer import save
+from ..format._lazy_torch import torch
 from ..format._schema import TrainerOptionsRecord
 from ..sets._aggregate import aggregate_checkpoints
 from ._common import EXIT_OK, InputKind, check_output, input_kind, output_kind, write_atomically
@@ -241,7 +240,10 @@ def _safetensors() -> Any:
     try:
         import safetensors.torch
     except ImportError:
-        raise CheckpointFormatError("reading or writing .safetensors needs the 'safetensors' package") from None
+        raise CheckpointFormatError(
+            "reading or writing .safetensors needs the 'safetensors' package, which is not installed: install the "
+            '\'safetensors\' extra (pip install "ort_trainer[safetensors]", or pip install ".[safetensors]" in a clone)'
+        ) from None
     return safetensors.torch
 
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from ..format._h5_reader import DatasetInfo, open_checkpoint
+from ..format._lazy_torch import is_tensor, torch
 from ..sets._aggregate import aggregate_checkpoints
 from ._common import EXIT_FOUND, EXIT_OK, InputKind, dtype_name, input_kind, key_str
 from ._convert import flatten, read_state_dict
@@ -45,42 +46,60 @@ def _short(value: Any) -> str:
     return text if len(text) <= _REPR_CHARS else text[: _REPR_CHARS - 3] + "..."
 
 
-def _chunk_stats(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, int, int]:
+def _chunk_stats(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[float, int, int]:
     """For 1-D chunks: (largest finite |a - b|, elements outside tolerance, elements NaN on one side only)."""
-    wide = torch.complex128 if a.is_complex() else torch.float64
-    x, y = a.to(wide), b.to(wide)
-    same = (x == y) | (torch.isnan(x) & torch.isnan(y))
-    delta = torch.where(same, torch.zeros((), dtype=torch.float64), (x - y).abs())
-    one_nan = torch.isnan(delta)
-    bad = one_nan | (delta > atol + rtol * y.abs())
-    worst = torch.where(one_nan, torch.zeros((), dtype=torch.float64), delta).max().item()
+    wide = np.complex128 if np.iscomplexobj(a) else np.float64
+    x, y = a.astype(wide), b.astype(wide)
+    with np.errstate(invalid="ignore", over="ignore"):
+        same = (x == y) | (np.isnan(x) & np.isnan(y))
+        delta = np.where(same, 0.0, np.abs(x - y))
+        one_nan = np.isnan(delta)
+        bad = one_nan | (delta > atol + rtol * np.abs(y))
+    worst = float(np.where(one_nan, 0.0, delta).max())
     return worst, int(bad.sum()), int(one_nan.sum())
 
 
-def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> Difference | None:
-    """None if equal within tolerance, else the largest absolute difference and how many elements differ."""
-    if a.dtype != b.dtype or a.shape != b.shape:
+def _as_numpy(value: Any) -> np.ndarray:
+    """An array or tensor as a flat contiguous numpy array; dtypes numpy lacks (bfloat16, float8) as float64 (exact)."""
+    if is_tensor(value):
+        value = value.detach().cpu()
+        if value.dtype in (torch.bfloat16,) or value.dtype.itemsize == 1 and value.dtype.is_floating_point:
+            value = value.to(torch.float64)
+        value = value.numpy()
+    return np.ascontiguousarray(value).reshape(-1)
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) or is_tensor(value)
+
+
+def compare_tensors(key: str, a: Any, b: Any, atol: float, rtol: float) -> Difference | None:
+    """None if equal within tolerance, else the largest absolute difference and how many elements differ.
+
+    ``a`` and ``b`` are tensors or numpy arrays (the checkpoint tool reads our files as numpy: no torch).
+    """
+    if dtype_name(a.dtype) != dtype_name(b.dtype) or tuple(a.shape) != tuple(b.shape):
         return Difference(
             "layout", key, f"{tuple(a.shape)} {dtype_name(a.dtype)} vs {tuple(b.shape)} {dtype_name(b.dtype)}"
         )
-    x, y = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
-    if x.numel() == 0 or torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+    x, y = _as_numpy(a), _as_numpy(b)
+    if x.size == 0 or np.array_equal(x.view(np.uint8), y.view(np.uint8)):
         return None
     worst, count, nans = 0.0, 0, 0
-    for start in range(0, x.numel(), _CHUNK):
+    for start in range(0, x.size, _CHUNK):
         stats = _chunk_stats(x[start : start + _CHUNK], y[start : start + _CHUNK], atol, rtol)
         worst, count, nans = max(worst, stats[0]), count + stats[1], nans + stats[2]
     if count == 0:
         return None
     nan_text = f", {nans} NaN on one side only" if nans else ""
-    detail = f"max abs diff {worst:.6g} ({count} of {x.numel()} elements differ{nan_text})"
+    detail = f"max abs diff {worst:.6g} ({count} of {x.size} elements differ{nan_text})"
     return Difference("tensor", key, detail, math.inf if nans else worst)
 
 
 def compare_values(key: str, a: Any, b: Any, atol: float, rtol: float) -> Difference | None:
     """Python values: numbers within tolerance (bools and ints of different type are not numbers alike)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+    if _is_array(a) or _is_array(b):
+        if _is_array(a) and _is_array(b):
             return compare_tensors(key, a, b, atol, rtol)
         return Difference("layout", key, f"{_kind(a)} vs {_kind(b)}")
     if type(a) is not type(b):
@@ -94,15 +113,15 @@ def compare_values(key: str, a: Any, b: Any, atol: float, rtol: float) -> Differ
 
 
 def _kind(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
+    if _is_array(value):
         return f"tensor {tuple(value.shape)} {dtype_name(value.dtype)}"
     return type(value).__name__
 
 
-def _layout(info: Any) -> str:
-    if isinstance(info.dtype, torch.dtype):
-        return f"tensor {info.shape} {dtype_name(info.dtype)}"
-    return dtype_name(info.dtype)
+def _layout(info: DatasetInfo) -> str:
+    if info.is_array:
+        return f"tensor {info.shape} {info.dtype_name}"
+    return info.dtype_name
 
 
 def format_diff(diffs: list[Difference], a: str, b: str, compared: int, atol: float, rtol: float) -> list[str]:
@@ -131,7 +150,7 @@ class _Flat:
 
 
 def _info_of(value: Any) -> DatasetInfo:
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         return DatasetInfo(tuple(value.shape), value.dtype)
     return DatasetInfo((), type(value))
 
@@ -142,7 +161,9 @@ def _open_flat(path: Path) -> Iterator[_Flat]:
     if kind == "checkpoint":
         with open_checkpoint(path) as reader:
             keys = {key_str(k): (k, info) for k, info in reader.walk()}
-            yield _Flat({name: info for name, (_, info) in keys.items()}, lambda name: reader.read(keys[name][0]))
+            yield _Flat(
+                {name: info for name, (_, info) in keys.items()}, lambda name: reader.read(keys[name][0], as_numpy=True)
+            )
         return
     tree = aggregate_checkpoints(path) if kind == "manifest" else read_state_dict(path, kind)
     flat = flatten(tree)
@@ -157,9 +178,7 @@ def diff_paths(path_a: Path, path_b: Path, atol: float, rtol: float) -> tuple[li
         shared = sorted(a.infos.keys() & b.infos.keys())
         for key in shared:
             ia, ib = a.infos[key], b.infos[key]
-            if isinstance(ia.dtype, torch.dtype) != isinstance(ib.dtype, torch.dtype) or (
-                isinstance(ia.dtype, torch.dtype) and ia != ib
-            ):
+            if ia.is_array != ib.is_array or (ia.is_array and ia != ib):
                 diffs.append(Difference("layout", key, f"{_layout(ia)} vs {_layout(ib)}"))
                 continue
             found = compare_values(key, a.read(key), b.read(key), atol, rtol)
@@ -170,7 +189,11 @@ def diff_paths(path_a: Path, path_b: Path, atol: float, rtol: float) -> tuple[li
 
 # ---- the subcommand --------------------------------------------------------------------------------
 def _tolerance(text: str) -> float:
-    value = float(text)
+    """argparse type of --atol/--rtol: a number >= 0 (argparse names the option in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value

@@ -14,14 +14,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError, CheckpointFormatError
 from ..format import _schema as S
 from ..format._h5_reader import CheckpointReader, DatasetInfo, open_checkpoint
 from ..format._schema import PartitionInfo
 from ..sets._manifest import read_manifest
-from ._common import EXIT_OK, PROG, dtype_name, input_kind, jsonable, key_str, value_nbytes
+from ._common import EXIT_OK, PROG, input_kind, jsonable, key_str, value_nbytes
 from ._remote import path_or_url
 
 __all__ = ["add_command", "describe_file", "describe_manifest", "format_doc"]
@@ -42,7 +40,7 @@ def _describe_reader(reader: CheckpointReader) -> dict[str, Any]:
     keys = set(reader.keys())
     infos = list(reader.walk())
     tree = [
-        {"key": key_str(k), "shape": list(i.shape), "dtype": dtype_name(i.dtype), "nbytes": value_nbytes(i)}
+        {"key": key_str(k), "shape": list(i.shape), "dtype": i.dtype_name, "nbytes": value_nbytes(i)}
         for k, i in infos
     ]
     doc: dict[str, Any] = {
@@ -58,7 +56,7 @@ def _describe_reader(reader: CheckpointReader) -> dict[str, Any]:
     doc["user_dict"] = _user_dict(reader) if S.USER_DICT_KEY in keys else None
     doc["partitions"] = _partitions(reader, doc[S.TRAINER_OPTIONS_KEY]) if S.PARTITION_INFO_KEY in keys else []
     doc["datasets"] = len(tree)
-    doc["array_bytes"] = sum(value_nbytes(i) or 0 for _, i in infos if isinstance(i.dtype, torch.dtype))
+    doc["array_bytes"] = sum(value_nbytes(i) or 0 for _, i in infos if i.is_array)
     doc["tree"] = tree
     return doc
 
@@ -67,7 +65,7 @@ def _user_dict(reader: CheckpointReader) -> dict[str, Any]:
     """Its top-level keys and which values are pickled, read from the structure only (never unpickled)."""
     info = reader.tree_info(S.USER_DICT_KEY)
     if isinstance(info, DatasetInfo):
-        if info.dtype in (str, bytes):
+        if not info.is_array and info.dtype in (str, bytes):
             return {"encoding": "legacy_pickle", "keys": None, "pickled": None, "description": LEGACY_USER_DICT}
         return {"encoding": "unknown", "keys": None, "pickled": None, "description": "unrecognised (not decoded)"}
     prefix: tuple[str, ...] = (S.USER_DICT_KEY,)

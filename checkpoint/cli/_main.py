@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
+from ... import __version__
 from ..errors import CheckpointError
 from . import _aggregate, _convert, _diff, _inspect, _remote, _verify
 from ._common import EXIT_ERROR, EXIT_OK, PROG
@@ -35,6 +37,7 @@ def _command(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Inspect, verify, aggregate, convert and diff checkpoints.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--version", action="version", version=f"{PROG} (ort_trainer) {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in _COMMANDS:
         module.add_command(sub, _command)
@@ -64,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except Exception as exc:
-        if args.debug:
-            raise
+        if args.debug:  # the traceback, but the documented exit status (an uncaught raise would give 1)
+            traceback.print_exc()
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR

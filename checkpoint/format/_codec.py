@@ -6,24 +6,28 @@ never copied here: a CPU tensor becomes a zero-copy numpy view at write time.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import h5py
 import numpy as np
-import torch
 
 from . import _schema as S
+from ._lazy_torch import torch
 
 __all__ = [
+    "BITS_DTYPE_NAMES",
     "STR_DTYPE",
     "Leaf",
     "bits_dtype",
+    "bits_dtype_names",
     "decode_python_value",
     "encode_leaf",
     "escape_key",
     "leaf_array",
+    "numpy_dtype_name",
     "numpy_to_torch_dtype",
     "unescape_key",
 ]
@@ -32,39 +36,55 @@ STR_DTYPE = h5py.string_dtype("utf-8")
 
 # torch dtypes numpy cannot represent: stored as unsigned integers of the same width (the bits),
 # with ATTR_TORCH_DTYPE naming the real dtype. The name list doubles as the allow-list on read.
-_BITS_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
-    name: (getattr(torch, name), bits)
-    for name, bits in [
-        ("bfloat16", torch.uint16),
-        ("float8_e4m3fn", torch.uint8),
-        ("float8_e5m2", torch.uint8),
-        ("float8_e4m3fnuz", torch.uint8),
-        ("float8_e5m2fnuz", torch.uint8),
-        ("float8_e8m0fnu", torch.uint8),
-    ]
-    if hasattr(torch, name)
+BITS_DTYPE_NAMES = {
+    "bfloat16": "uint16",
+    "float8_e4m3fn": "uint8",
+    "float8_e5m2": "uint8",
+    "float8_e4m3fnuz": "uint8",
+    "float8_e5m2fnuz": "uint8",
+    "float8_e8m0fnu": "uint8",
 }
-_BITS_BY_DTYPE = {real: (name, bits) for name, (real, bits) in _BITS_DTYPES.items()}
 _NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex: the numpy kinds we store
-_TORCH_BY_NUMPY = {
-    np.dtype(np_type): torch_type
-    for np_type, torch_type in [
-        (np.bool_, torch.bool),
-        (np.uint8, torch.uint8),
-        (np.int8, torch.int8),
-        (np.int16, torch.int16),
-        (np.int32, torch.int32),
-        (np.int64, torch.int64),
-        (np.uint16, torch.uint16),
-        (np.uint32, torch.uint32),
-        (np.uint64, torch.uint64),
-        (np.float16, torch.float16),
-        (np.float32, torch.float32),
-        (np.float64, torch.float64),
-        (np.complex64, torch.complex64),
-        (np.complex128, torch.complex128),
-    ]
-}
+# numpy dtypes we store and the torch dtype of the same name (numpy's bool_ is torch's bool)
+_STORED_NUMPY = tuple(
+    np.dtype(t)
+    for t in (np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.uint16, np.uint32, np.uint64)
+    + (np.float16, np.float32, np.float64, np.complex64, np.complex128)
+)
+
+
+@functools.cache
+def _bits_dtypes() -> dict[str, tuple[torch.dtype, torch.dtype]]:
+    """{name: (real torch dtype, torch dtype of its bits)} for the dtypes this torch has (imports torch)."""
+    return {
+        name: (getattr(torch, name), getattr(torch, bits))
+        for name, bits in BITS_DTYPE_NAMES.items()
+        if hasattr(torch, name)
+    }
+
+
+@functools.cache
+def _bits_by_dtype() -> dict[torch.dtype, tuple[str, torch.dtype]]:
+    return {real: (name, bits) for name, (real, bits) in _bits_dtypes().items()}
+
+
+@functools.cache
+def _torch_by_numpy() -> dict[np.dtype, torch.dtype]:
+    return {d: getattr(torch, d.name) for d in _STORED_NUMPY}
+
+
+def numpy_dtype_name(dtype: np.dtype) -> str | None:
+    """The torch-style name of a stored numpy dtype ('float32', 'bool'), None for kinds we do not store."""
+    dtype = dtype.newbyteorder("=")
+    if dtype.kind not in _NUMPY_KINDS or dtype not in _STORED_NUMPY:
+        return None
+    return dtype.name
+
+
+def bits_dtype_names(torch_dtype_name: str) -> tuple[str, str] | None:
+    """(real dtype name, bits dtype name) for a dtype stored as its bits, without importing torch."""
+    bits = BITS_DTYPE_NAMES.get(torch_dtype_name)
+    return None if bits is None else (torch_dtype_name, bits)
 
 
 def escape_key(key: str) -> str:
@@ -100,9 +120,9 @@ def _encode_tensor(value: torch.Tensor, keypath: str) -> Leaf:
     if value.is_sparse or value.is_quantized or value.layout != torch.strided:
         raise TypeError(f"unsupported tensor at '{keypath}': only dense strided tensors ({value.layout})")
     attrs = {S.ATTR_PY_TYPE: S.PY_TENSOR}
-    if value.dtype in _BITS_BY_DTYPE:
-        attrs[S.ATTR_TORCH_DTYPE] = _BITS_BY_DTYPE[value.dtype][0]
-    elif value.dtype not in _TORCH_BY_NUMPY.values():
+    if value.dtype in _bits_by_dtype():
+        attrs[S.ATTR_TORCH_DTYPE] = _bits_by_dtype()[value.dtype][0]
+    elif value.dtype not in _torch_by_numpy().values():
         raise TypeError(f"unsupported tensor dtype {value.dtype} at '{keypath}'")
     return Leaf(value, attrs)
 
@@ -183,8 +203,8 @@ def leaf_array(leaf: Leaf) -> Any:
         if data.device.type != "cpu":
             data = data.cpu()  # one tensor at a time: the extra memory is bounded by the largest tensor
         data = data.resolve_conj().resolve_neg().contiguous()
-        if data.dtype in _BITS_BY_DTYPE:
-            data = data.view(_BITS_BY_DTYPE[data.dtype][1])
+        if data.dtype in _bits_by_dtype():
+            data = data.view(_bits_by_dtype()[data.dtype][1])
         return data.numpy()
     if isinstance(data, np.ndarray) and (not data.dtype.isnative or not data.flags.c_contiguous):
         return np.asarray(data, dtype=data.dtype.newbyteorder("="), order="C")  # keeps 0-d arrays 0-d
@@ -193,12 +213,12 @@ def leaf_array(leaf: Leaf) -> Any:
 
 def bits_dtype(torch_dtype_name: str) -> tuple[torch.dtype, torch.dtype] | None:
     """(real dtype, stored bits dtype) for an allow-listed ATTR_TORCH_DTYPE value, else None."""
-    return _BITS_DTYPES.get(torch_dtype_name)
+    return _bits_dtypes().get(torch_dtype_name)
 
 
 def numpy_to_torch_dtype(dtype: np.dtype) -> torch.dtype | None:
     """The torch dtype for a stored numeric numpy dtype (any byte order), or None if unsupported."""
-    return _TORCH_BY_NUMPY.get(dtype.newbyteorder("=")) if dtype.kind in _NUMPY_KINDS else None
+    return _torch_by_numpy().get(dtype.newbyteorder("=")) if dtype.kind in _NUMPY_KINDS else None
 
 
 def decode_python_value(py_type: str, data: Any) -> Any:

@@ -26,7 +26,7 @@ from h5py import h5d, h5s, h5z
 
 from ..errors import CheckpointCorruptError, CheckpointFormatError
 from . import _schema as S
-from ._codec import bits_dtype, numpy_to_torch_dtype
+from ._codec import bits_dtype_names, numpy_dtype_name
 
 __all__ = ["StorageCheck", "check_attrs"]
 
@@ -161,9 +161,9 @@ def _fits(py_type: str, shape: tuple[int, ...] | None, dtype: np.dtype) -> bool:
     string = dtype.kind == "O"
     bytes_ = dtype == np.dtype(np.uint8) and _is_vector(shape)
     if py_type in (S.PY_TENSOR, S.PY_NDARRAY):
-        return shape is not None and numpy_to_torch_dtype(dtype) is not None
+        return shape is not None and numpy_dtype_name(dtype) is not None
     if py_type == S.PY_NUMPY_SCALAR:
-        return shape == () and numpy_to_torch_dtype(dtype) is not None
+        return shape == () and numpy_dtype_name(dtype) is not None
     if py_type in (S.PY_INT, S.PY_FLOAT, S.PY_BOOL):
         expected = {S.PY_INT: np.int64, S.PY_FLOAT: np.float64, S.PY_BOOL: np.bool_}[py_type]
         return shape == () and dtype.newbyteorder("=") == np.dtype(expected)
@@ -190,8 +190,8 @@ def check_attrs(
         )
     name = attrs.get(S.ATTR_TORCH_DTYPE)
     if name is not None:
-        pair = bits_dtype(str(name)) if isinstance(name, str) else None
-        if py_type != S.PY_TENSOR or pair is None or numpy_to_torch_dtype(dtype) != pair[1]:
+        pair = bits_dtype_names(str(name)) if isinstance(name, str) else None
+        if py_type != S.PY_TENSOR or pair is None or numpy_dtype_name(dtype) != pair[1]:
             raise CheckpointFormatError(f"{where} has unknown {S.ATTR_TORCH_DTYPE}={name!r} for {dtype} data")
     crc = attrs.get(checksum)
     if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc <= 0xFFFFFFFF:

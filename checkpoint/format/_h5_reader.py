@@ -8,14 +8,14 @@ digest matches. Only then is any payload read, and each payload is checked again
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import h5py
 import numpy as np
-import torch
 from h5py import h5s
 
 from ..errors import (
@@ -27,9 +27,10 @@ from ..errors import (
 from . import _schema as S
 from ._checksum import PendingChecks as _Checksums
 from ._checksum import for_version, streamed_checksum
-from ._codec import bits_dtype, decode_python_value, numpy_to_torch_dtype
+from ._codec import BITS_DTYPE_NAMES, bits_dtype_names, decode_python_value, numpy_dtype_name
 from ._h5_index import Node, h5_guard, load_attrs, scan_file, tree_digest
 from ._h5_open import open_h5
+from ._lazy_torch import is_torch_dtype, torch
 
 __all__ = ["CheckpointReader", "DatasetInfo", "Key", "load", "open_checkpoint", "split_key"]
 
@@ -48,15 +49,69 @@ _PY_CLASSES = {
 _VERIFY_CHUNK_BYTES = 4 << 20  # pieces that stay in cache between the read and the checksum
 
 
-class DatasetInfo(NamedTuple):
+class DatasetInfo:
     """Shape and type of a stored value, known without reading it.
 
     ``dtype`` is a ``torch.dtype`` for array data (loaded as tensors) and the python type
-    (``int``, ``str``, ``list``, ...) for values that load as python objects.
+    (``int``, ``str``, ``list``, ...) for values that load as python objects. The reader gives an
+    array's dtype by name and ``dtype`` resolves it on first access, so describing a file
+    (``is_array``, ``dtype_name``, ``nbytes``) does not import torch.
     """
 
-    shape: tuple[int, ...]
-    dtype: torch.dtype | type
+    __slots__ = ("_dtype", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype | type | str) -> None:
+        self.shape = tuple(shape)
+        self._dtype = dtype  # a str is the name of a torch dtype ('float32', 'bfloat16')
+
+    @property
+    def dtype(self) -> torch.dtype | type:
+        if isinstance(self._dtype, str):
+            self._dtype = getattr(torch, self._dtype)
+        return self._dtype
+
+    @property
+    def is_array(self) -> bool:
+        """True for array data (loaded as a tensor), False for python values."""
+        return isinstance(self._dtype, str) or is_torch_dtype(self._dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        """'float32' for arrays (torch's name without 'torch.'), the type's name ('int', 'NoneType') otherwise."""
+        if isinstance(self._dtype, str):
+            return self._dtype
+        return str(self._dtype).removeprefix("torch.") if self.is_array else self._dtype.__name__
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of array data (numel * itemsize); None for python values."""
+        if not self.is_array:
+            return None
+        return math.prod(self.shape) * np.dtype(BITS_DTYPE_NAMES.get(self.dtype_name, self.dtype_name)).itemsize
+
+    def _key(self) -> tuple[bool, tuple[int, ...], str]:
+        return self.is_array, self.shape, self.dtype_name
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, tuple):  # it was a NamedTuple: (shape, dtype) compares equal
+            return len(other) == 2 and tuple(self) == other
+        return isinstance(other, DatasetInfo) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __iter__(self) -> Iterator[Any]:  # shape, dtype = info (it was a NamedTuple)
+        return iter((self.shape, self.dtype))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.shape, self.dtype)[index]
+
+    def __repr__(self) -> str:
+        dtype = f"torch.{self.dtype_name}" if self.is_array else self.dtype_name
+        return f"DatasetInfo(shape={self.shape}, dtype={dtype})"
 
 
 def split_key(key: Key) -> tuple[str, ...]:
@@ -107,6 +162,7 @@ class CheckpointReader:
         self.path = Path(os.fspath(path))
         self.verify_checksums = verify
         self._verified_stat: tuple[int, ...] | None = None  # the file as a full verify() saw it (see _new_checks)
+        self._as_numpy: bool | str = False  # read(as_numpy=True) / verify() ("raw") for the duration of the call
         self._file, has_header, size = open_h5(self.path, verify)
         try:
             with h5_guard(str(self.path), "/ (root attributes)"):
@@ -187,7 +243,7 @@ class CheckpointReader:
         if self.is_legacy and (node.shape in (None, ()) or node.dtype.kind in "OSU"):
             kind = {"b": bool, "i": int, "u": int, "f": float, "c": complex}.get(node.dtype.kind, str)
             return DatasetInfo(shape, type(None) if node.shape is None else kind)
-        return DatasetInfo(shape, self._torch_dtype(node)[0])
+        return DatasetInfo(shape, self._dtype_names(node)[0])
 
     def tree_info(self, key: Key = None) -> dict[str, Any] | DatasetInfo:
         """Nested dict of :class:`DatasetInfo` for the subtree at ``key`` (no data is read)."""
@@ -207,31 +263,42 @@ class CheckpointReader:
                 stack.extend(node.children[name] for name in sorted(node.children, reverse=True))
 
     # ---- reading ---------------------------------------------------------------------------------
-    def _torch_dtype(self, node: Node) -> tuple[torch.dtype, torch.dtype | None]:
-        """(dtype to return, bits dtype the file stores it as or None) for an array dataset."""
+    def _dtype_names(self, node: Node) -> tuple[str, str | None]:
+        """(torch dtype name to return, name of the bits dtype the file stores it as, or None) of an array."""
         name = self._attrs(node).get(S.ATTR_TORCH_DTYPE)
         if name is not None and not self.is_legacy:
-            pair = bits_dtype(str(name))
-            if pair is None or numpy_to_torch_dtype(node.dtype) != pair[1]:
+            pair = bits_dtype_names(str(name))
+            if pair is None or numpy_dtype_name(node.dtype) != pair[1]:
                 raise CheckpointFormatError(f"{self.path}: '{node.h5path}' has unknown {S.ATTR_TORCH_DTYPE}={name!r}")
             return pair
-        dtype = None if node.dtype is None else numpy_to_torch_dtype(node.dtype)
+        dtype = None if node.dtype is None else numpy_dtype_name(node.dtype)
         if dtype is None:
             raise CheckpointFormatError(f"{self.path}: '{node.h5path}' has unsupported dtype {node.dtype}")
         return dtype, None
 
-    def _read_array(self, node: Node, checks: _Checksums, out: torch.Tensor | None = None) -> torch.Tensor:
-        dtype, bits = self._torch_dtype(node)
+    def _torch_dtype(self, node: Node) -> tuple[torch.dtype, torch.dtype | None]:
+        """(dtype to return, bits dtype the file stores it as or None) for an array dataset."""
+        name, bits = self._dtype_names(node)
+        if not hasattr(torch, name):
+            raise CheckpointFormatError(f"{self.path}: '{node.h5path}' holds {name}, which this torch does not have")
+        return getattr(torch, name), None if bits is None else getattr(torch, bits)
+
+    def _read_array(self, node: Node, checks: _Checksums, out: torch.Tensor | None = None) -> torch.Tensor | np.ndarray:
         if node.shape is None:
             raise CheckpointCorruptError(f"{self.path}: '{node.h5path}' holds no data but should hold an array")
-        out = torch.empty(node.shape, dtype=dtype) if out is None else out
-        target = out.detach().view(bits) if bits is not None else out.detach()
-        array = target.numpy()
+        name, bits_name = self._dtype_names(node)
+        if out is None and (self._as_numpy == "raw" or (self._as_numpy and bits_name is None)):
+            array = result = np.empty(node.shape, dtype=np.dtype(bits_name or name))  # "raw": bits, for checksums
+        else:
+            dtype, bits = self._torch_dtype(node)
+            result = out = torch.empty(node.shape, dtype=dtype) if out is None else out
+            target = out.detach().view(bits) if bits is not None else out.detach()
+            array = target.numpy()
         with h5_guard(str(self.path), node.h5path):
             if array.size:
                 node.dataset.read(h5s.ALL, h5s.ALL, array)
         checks.add(node, array)
-        return out
+        return result
 
     def _read_value(self, node: Node, checks: _Checksums) -> Any:
         if self.is_legacy:
@@ -289,12 +356,18 @@ class CheckpointReader:
             return None
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def read(self, key: Key = None) -> Any:
-        """Read the value (or nested dict) at ``key``, verifying checksums of everything read."""
+    def read(self, key: Key = None, *, as_numpy: bool = False) -> Any:
+        """Read the value (or nested dict) at ``key``, verifying checksums of everything read.
+
+        Arrays load as CPU tensors; with ``as_numpy=True`` as numpy arrays (except dtypes numpy lacks,
+        such as bfloat16, which stay tensors), so a reader that wants numpy never needs torch.
+        """
         checks = self._new_checks()
+        self._as_numpy = as_numpy
         try:
             value = self._read_tree(self._node(key), checks)
         finally:
+            self._as_numpy = False
             if checks.pool is not None:
                 checks.pool.shutdown(wait=True)
         checks.finish()
@@ -311,7 +384,7 @@ class CheckpointReader:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         info = self._info(node) if not node.is_group else None
-        if info is None or not isinstance(info.dtype, torch.dtype):
+        if info is None or not info.is_array:
             raise ValueError(f"{self.path}: '{node.keypath}' is not array data and cannot be read into a tensor")
         if out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(
@@ -345,7 +418,11 @@ class CheckpointReader:
                 continue
             count += 1
             if self._attrs(node).get(S.ATTR_PY_TYPE) not in _ARRAY_TYPES or node.shape in (None, ()):
-                self._read_value(node, checks)
+                self._as_numpy = "raw"  # only the checksum matters: no tensor (no torch) needed
+                try:
+                    self._read_value(node, checks)
+                finally:
+                    self._as_numpy = False
                 continue
             with h5_guard(str(self.path), node.h5path):
                 crc = streamed_checksum(h5py.Dataset(node.dataset), self.checksum, _VERIFY_CHUNK_BYTES)

@@ -94,11 +94,16 @@ def _write_tree(f: h5py.File, raw: RawWriter, entries: list[Entry]) -> Node:
 
 
 def check_target(path: Path, overwrite: bool) -> None:
-    """Refuse a directory, a missing folder, or an existing file without ``overwrite``."""
+    """Refuse a directory or an existing file without ``overwrite``; create a missing folder (as DCP does)."""
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a file path for the checkpoint")
     if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot save {path}: folder {path.parent} does not exist")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise type(exc)(
+                exc.errno, f"cannot save {path}: cannot create its folder ({exc.strerror})", str(path.parent)
+            ) from None
     if path.exists() and not overwrite:
         raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
+
+from ._lazy_torch import is_tensor
 
 __all__ = [
     "FORMAT_NAME",
@@ -84,6 +85,7 @@ PARTITION_INFO_KEY = "partition_info"
 ORIGINAL_DIM_KEY = "original_dim"
 MEGATRON_ROW_PARTITION_KEY = "megatron_row_partition"
 PARTITION_OFFSET_KEY = "offset"  # ours: start of a ZeRO piece in the flattened tensor
+PARTITION_STRIDE_KEY = "stride"  # ours: a fused Megatron slice holds `stride` blocks side by side (Q|K|V)
 TRAIN_STEP_INFO_KEY = "train_step_info"
 OPTIMIZATION_STEP_KEY = "optimization_step"
 TRAIN_STEP_KEY = "step"
@@ -151,7 +153,7 @@ TRAINER_OPTIONS_KEYS = (
 # ---- value coercion for records read from files (legacy files hold numpy/bytes values) -----------
 def _scalar(value: Any) -> Any:
     """Unwrap one-element tensors and arrays, numpy scalars and utf-8 bytes into python values."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if is_tensor(value) and value.numel() == 1:
         value = value.reshape(()).item()
     elif isinstance(value, np.ndarray) and value.size == 1:
         value = value.reshape(()).item()
@@ -238,6 +240,7 @@ class PartitionInfo:
     original_dim: tuple[int, ...]
     megatron_row_partition: int = -1
     offset: int | None = None
+    stride: int | None = None  # ours: fused weight (GPT-2's Q|K|V): each slice is `stride` blocks, one per part
 
     def __post_init__(self) -> None:
         dims = self.original_dim
@@ -248,21 +251,25 @@ class PartitionInfo:
             problems.append(f"megatron_row_partition: expected -1, 0 or 1, got {self.megatron_row_partition!r}")
         if self.offset is not None and (not isinstance(self.offset, int) or self.offset < 0):
             problems.append(f"offset: expected None or an int >= 0, got {self.offset!r}")
+        if self.stride is not None and (not isinstance(self.stride, int) or self.stride < 1):
+            problems.append(f"stride: expected None or an int >= 1, got {self.stride!r}")
         if problems:
             raise ValueError("invalid partition_info: " + "; ".join(problems))
 
     @classmethod
     def from_tree(cls, tree: Mapping[str, Any]) -> PartitionInfo:
         """Build from one weight's legacy ``partition_info`` entry (lists, arrays or tensors)."""
-        _check_keys(tree, (ORIGINAL_DIM_KEY,), (MEGATRON_ROW_PARTITION_KEY, PARTITION_OFFSET_KEY), PARTITION_INFO_KEY)
+        optional = (MEGATRON_ROW_PARTITION_KEY, PARTITION_OFFSET_KEY, PARTITION_STRIDE_KEY)
+        _check_keys(tree, (ORIGINAL_DIM_KEY,), optional, PARTITION_INFO_KEY)
         dims = tree[ORIGINAL_DIM_KEY]
-        dims = dims.tolist() if isinstance(dims, torch.Tensor | np.ndarray) else dims
+        dims = dims.tolist() if is_tensor(dims) or isinstance(dims, np.ndarray) else dims
         offset = tree.get(PARTITION_OFFSET_KEY)
         flag = tree.get(MEGATRON_ROW_PARTITION_KEY, -1)
         return cls(
             original_dim=tuple(_scalar(d) for d in dims),
             megatron_row_partition=_scalar(flag[0] if isinstance(flag, list | tuple) and len(flag) == 1 else flag),
             offset=None if offset is None else _scalar(offset),
+            stride=None if tree.get(PARTITION_STRIDE_KEY) is None else _scalar(tree[PARTITION_STRIDE_KEY]),
         )
 
     def to_tree(self) -> dict[str, Any]:
@@ -273,4 +280,6 @@ class PartitionInfo:
         }
         if self.offset is not None:
             tree[PARTITION_OFFSET_KEY] = self.offset
+        if self.stride is not None:
+            tree[PARTITION_STRIDE_KEY] = self.stride
         return tree

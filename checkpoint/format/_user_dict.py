@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..errors import CheckpointFormatError, CheckpointPickleError
 from . import _schema as S
 from ._codec import encode_leaf
+from ._lazy_torch import torch
 
 __all__ = ["decode_user_dict", "decode_user_value", "encode_user_dict", "encode_user_value"]
 

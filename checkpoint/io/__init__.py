@@ -17,7 +17,7 @@ from ._async import AsyncWriter, SaveHandle
 from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve
 from ._scheduler import CheckpointIO, write_checkpoint
 from ._snapshot import HostSnapshot
-from ._transfer import FileRecord, local_inputs, save_tree, write_file
+from ._transfer import FileRecord, local_inputs, make_parent_folder, save_tree, write_file
 
 __all__ = [
     "AsyncWriter",
@@ -30,6 +30,7 @@ __all__ = [
     "SaveHandle",
     "is_url",
     "local_inputs",
+    "make_parent_folder",
     "resolve",
     "save_tree",
     "write_checkpoint",

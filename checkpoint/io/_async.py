@@ -9,18 +9,22 @@ for it first: the snapshot buffer the job reads is reused). An exception raised 
 and raised by the owner's next call (:meth:`AsyncWriter.wait` or :meth:`AsyncWriter.check`), or by
 :meth:`SaveHandle.wait`; it is reported once. At interpreter exit Python waits for non-daemon
 threads, so an unfinished save completes before the process ends; an error nobody was told about
-by then is printed to stderr (exit cannot raise it).
+by then is logged at exit (ERROR, under the ``ort_trainer`` logger: on stderr unless logging is
+configured otherwise; exit cannot raise it).
 """
 
 from __future__ import annotations
 
 import atexit
-import sys
+import logging
 import threading
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from ._snapshot import HostSnapshot
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncWriter", "SaveHandle"]
 
@@ -204,11 +208,11 @@ def _report_unseen_errors() -> None:
     """At exit (after Python joined the save threads): print every save error nobody was told about."""
     for handle in sorted(_UNREPORTED, key=lambda h: h.label):
         handle._reported = True
-        print(
-            f"ort_trainer: {handle.what} failed after the last call that could "
-            f"report it: {type(handle._error).__name__}: {handle._error}",
-            file=sys.stderr,
-            flush=True,
+        logger.error(
+            "ort_trainer: %s failed after the last call that could report it: %s: %s",
+            handle.what,
+            type(handle._error).__name__,
+            handle._error,
         )
     _UNREPORTED.clear()
 

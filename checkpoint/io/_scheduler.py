@@ -23,16 +23,22 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch.distributed as dist
-
 from ..errors import CheckpointExistsError
 from ..format._h5_writer import save_to_checked_target
 from ._async import AsyncWriter, SaveHandle
 from ._location import LocalLocation, Location
 from ._set_writer import plan_set_save, write_set
-from ._transfer import save_tree
+from ._transfer import make_parent_folder, save_tree
 
 __all__ = ["CheckpointIO", "write_checkpoint"]
+
+
+def _dist():
+    """``torch.distributed``, imported on first use: the checkpoint tool's read-only commands never load torch."""
+    import torch.distributed
+
+    return torch.distributed
+
 
 # Every rank's write must finish before the manifest is agreed: as long as torch's default for gloo.
 _COORDINATION_TIMEOUT = datetime.timedelta(minutes=30)
@@ -46,7 +52,7 @@ class _Collective:
 
     def all_gather_object(self, value: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
+        _dist().all_gather_object(gathered, value, group=self.group)
         return gathered
 
 
@@ -60,7 +66,7 @@ class CheckpointIO:
     def checkpoint_group(self, rank: int, world_size: int) -> _Collective:
         """The gloo group the background threads agree over (created collectively on first use)."""
         if self._group is None:
-            group = dist.new_group(backend="gloo", timeout=_COORDINATION_TIMEOUT)
+            group = _dist().new_group(backend="gloo", timeout=_COORDINATION_TIMEOUT)
             self._group = _Collective(rank, world_size, group)
         return self._group
 
@@ -78,11 +84,11 @@ class CheckpointIO:
 
 
 def _check_single_target(target: Location, overwrite: bool) -> None:
-    """What ``checkpoint.save`` would refuse, refused now (not later on the background thread)."""
+    """What ``checkpoint.save`` would refuse, refused now (not later on the background thread); a missing
+    folder is created now, at the call."""
     if target.is_dir():
         raise IsADirectoryError(f"{target.display} is a directory; give a file path for the checkpoint")
-    if not target.parent_exists():
-        raise FileNotFoundError(f"cannot save {target.display}: its folder does not exist")
+    make_parent_folder(target)
     if not overwrite and target.exists():
         raise CheckpointExistsError(f"{target.display} already exists; pass overwrite=True to replace it")
 

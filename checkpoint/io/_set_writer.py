@@ -20,9 +20,9 @@ and the run id); :func:`write_set` may run on a background thread with a collect
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,7 +31,9 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format import _schema as S
 from ..sets._manifest import Manifest, ManifestEntry, manifest_bytes, rank_file_name, split_suffix
 from ._location import Location
-from ._transfer import FileRecord, read_manifest_at, write_file
+from ._transfer import FileRecord, make_parent_folder, read_manifest_at, write_file
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Collective", "SetPlan", "plan_set_save", "remove_set", "write_set"]
 
@@ -91,8 +93,16 @@ def _old_entries(manifest: Location) -> list[tuple[int, str]] | None:
 
 
 def _describe(target: Location, overwrite: bool, shared_manifest: Location | None) -> dict[str, Any]:
-    """What this rank tells the others before a save: its path and whether anything would be refused."""
-    info: dict[str, Any] = {"path": target.display, "exists": False, "folder": target.parent_exists()}
+    """What this rank tells the others before a save: its path and whether anything would be refused.
+
+    A missing folder is created first (every rank, its own path; the same folder on a shared path is fine);
+    ``folder`` carries the error if that failed, so that every rank refuses the save alike.
+    """
+    info: dict[str, Any] = {"path": target.display, "exists": False, "folder": None}
+    try:
+        make_parent_folder(target)
+    except (OSError, CheckpointError) as exc:
+        info["folder"] = f"{type(exc).__name__}: {exc}"
     if not overwrite:
         info["exists"] = target.exists()
     if shared_manifest is not None:
@@ -134,10 +144,10 @@ def plan_set_save(comm: Collective, target: Location, overwrite: bool) -> SetPla
 
 
 def _refuse(gathered: list[dict[str, Any]], shared: bool, overwrite: bool, manifest: Location) -> None:
-    """The same refusal on every rank: a missing folder, or an existing save without ``overwrite``."""
-    missing = [f"rank {r}: {g['path']}" for r, g in enumerate(gathered) if not g["folder"]]
+    """The same refusal on every rank: a folder that could not be made, or an existing save without ``overwrite``."""
+    missing = [f"rank {r}: {g['folder']}" for r, g in enumerate(gathered) if g["folder"]]
     if missing:
-        raise FileNotFoundError(f"cannot save: the folder of {', '.join(missing)} does not exist")
+        raise FileNotFoundError(f"cannot save: could not create the folder of {'; '.join(missing)}")
     if overwrite:
         return
     if shared and gathered[0]["manifest_exists"]:
@@ -206,7 +216,7 @@ def _remove(loc: Location) -> None:
     try:
         loc.remove()
     except (OSError, CheckpointError) as exc:
-        warnings.warn(f"could not remove {loc.display}: {exc}", RuntimeWarning, stacklevel=3)
+        logger.warning("could not remove %s: %s", loc.display, exc)
 
 
 def remove_set(path: Location, comm_rank: int) -> list[str]:

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import torch
+
+from ..format._lazy_torch import torch
 
 __all__ = ["HostSnapshot"]
 

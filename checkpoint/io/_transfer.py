@@ -24,7 +24,15 @@ from ..sets._manifest import Manifest, file_crc32, read_manifest
 from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve, storage_errors
 from ._stale import remove_stale_spools, spool_prefix
 
-__all__ = ["FileRecord", "local_inputs", "read_manifest_at", "save_tree", "spool_folder", "write_file"]
+__all__ = [
+    "FileRecord",
+    "local_inputs",
+    "make_parent_folder",
+    "read_manifest_at",
+    "save_tree",
+    "spool_folder",
+    "write_file",
+]
 
 PathLike = str | os.PathLike[str]
 
@@ -45,6 +53,27 @@ def spool_folder() -> Iterator[Path]:
     remove_stale_spools()
     with tempfile.TemporaryDirectory(prefix=spool_prefix()) as folder:
         yield Path(folder)
+
+
+def make_parent_folder(target: Location) -> None:
+    """Create the folder ``target`` goes into (and its parents), as DCP and orbax do before a save.
+
+    Called where a save is requested (not on a background thread), so ``runs/exp1/step1.ortcp`` works in a
+    fresh ``runs/``. An fsspec folder is made with ``fs.makedirs`` (a no-op on stores without folders).
+    A failure (permissions, a file in the way) is raised as the same ``OSError`` type naming the folder.
+    """
+    folder = target.folder()
+    if not target.remote:
+        if folder.path.is_dir():
+            return
+        try:
+            folder.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise type(exc)(
+                exc.errno, f"cannot save {target.display}: cannot create its folder ({exc.strerror})", folder.display
+            ) from None
+        return
+    folder.make_dirs()
 
 
 def save_tree(tree: Mapping[str, Any], target: Location, *, overwrite: bool) -> None:

@@ -22,8 +22,8 @@ reads every rank's file. Rank 0 keeps the index and prunes.
 
 from __future__ import annotations
 
+import logging
 import threading
-import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -35,6 +35,8 @@ from ..io._transfer import read_manifest_at
 from ..sets._manifest import check_manifest
 from ._index import INDEX_NAME, MAX_STEP, IndexEntry, checkpoint_name, read_index, scan, write_index
 from ._policy import RetentionPolicy, check_metrics
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "Checkpointable", "RestoredCheckpoint"]
 
@@ -219,7 +221,7 @@ class CheckpointManager:
             errors = [e for e in gather(error) if e is not None]
             if not errors:
                 return RestoredCheckpoint(info.step, info.path, user_dict, info.metrics)
-            warnings.warn(f"skipping checkpoint {info.path} (step {info.step}): {errors[0]}", stacklevel=2)
+            logger.warning("skipping checkpoint %s (step %d): %s", info.path, info.step, errors[0])
             skipped.append(f"{info.path}: {errors[0]}")
         if skipped:
             raise CheckpointCorruptError(
@@ -234,10 +236,11 @@ class CheckpointManager:
         newest = max(complete, default=-1)
         unfinished = [s for s in read_index(self._index) if s not in complete and s > newest]
         for s in unfinished:
-            warnings.warn(
-                f"skipping checkpoint {self.directory.child(checkpoint_name(s)).display} (step {s}): the save did "
-                "not complete (killed or failed before it was published)",
-                stacklevel=3,
+            logger.warning(
+                "skipping checkpoint %s (step %d): the save did not complete "
+                "(killed or failed before it was published)",
+                self.directory.child(checkpoint_name(s)).display,
+                s,
             )
         if step is not None:
             found = [info for info in found if info.step == step]

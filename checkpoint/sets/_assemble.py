@@ -14,9 +14,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from ..format import _schema as S
+from ..format._lazy_torch import torch
 from ._partition import ConstItem, Copies, Item, Key, Pieces, Plan, RankItem, TensorItem, ValueItem, _fmt
 from ._rankset import AggregationError
 
@@ -78,6 +77,17 @@ class _Assembler:
             out = self.scratch.tensor("out", item.shape, item.dtype)
         else:
             out = torch.empty(item.shape, dtype=item.dtype)
+        if item.axis is not None and item.stride > 1:  # fused slices: block b of column h -> part b, slot h
+            H, part = len(item.columns), item.shape[item.axis] // item.stride
+            n = part // H
+            for h, column in enumerate(item.columns):
+                local = list(item.shape)
+                local[item.axis] = n * item.stride
+                held = torch.empty(local, dtype=item.dtype)
+                self._fill(item.key, column, held)
+                for b in range(item.stride):
+                    out.narrow(item.axis, b * part + h * n, n).copy_(held.narrow(item.axis, b * n, n))
+            return out
         if item.axis is not None:
             n = item.shape[item.axis] // len(item.columns)
             for h, column in enumerate(item.columns):

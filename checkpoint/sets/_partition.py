@@ -18,10 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from ..format import _schema as S
 from ..format._h5_reader import DatasetInfo
+from ..format._lazy_torch import torch
 from ..format._schema import PartitionInfo
 from ._per_rank import per_rank_entries, sections_that_differ
 from ._rankset import AggregationError, RankSet, RankSource
@@ -59,9 +58,14 @@ class Pieces:
 class TensorItem:
     key: Key
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str  # 'float32': planning needs no torch (verify); ``dtype`` resolves it for assembly
     axis: int | None  # Megatron concat axis; None: every column holds the whole tensor
     columns: tuple[Copies | Pieces, ...]
+    stride: int = 1  # fused Megatron slices: each column holds `stride` blocks (partition_info "stride")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype_name)
 
 
 @dataclass(frozen=True)
@@ -214,7 +218,7 @@ class _Planner:
             return []
         if groups:
             return [ConstItem(key, {})]
-        tensor = self._consensus(key, {r: isinstance(i.dtype, torch.dtype) for r, i in leaves.items()}, "is a tensor")
+        tensor = self._consensus(key, {r: i.is_array for r, i in leaves.items()}, "is a tensor")
         if tensor is None:
             return []
         columns = self._columns(key, leaves) if kind == "param" else None
@@ -222,7 +226,7 @@ class _Planner:
             return []
         if not tensor:
             return [ValueItem(key, tuple(sorted(leaves)))]
-        dtype = self._consensus(key, {r: i.dtype for r, i in leaves.items()}, "dtype")
+        dtype = self._consensus(key, {r: i.dtype_name for r, i in leaves.items()}, "dtype")
         if dtype is None:
             return []
         if columns is not None:
@@ -293,7 +297,7 @@ class _Planner:
         return columns
 
     def _param_item(
-        self, key: Key, leaves: Mapping[int, DatasetInfo], holders: list[list[int]], dtype: torch.dtype
+        self, key: Key, leaves: Mapping[int, DatasetInfo], holders: list[list[int]], dtype: str
     ) -> list[Item]:
         name = key[2] if key[0] == S.MODEL_KEY else key[1]
         split = len(key) == 3 and (key[0] == S.MODEL_KEY or key[2] in S.SHARDED_OPTIMIZER_KEYS)
@@ -307,8 +311,8 @@ class _Planner:
                 return []
             local = shape
         else:
-            shape, flag = info
-            local, axis = self._local_shape(name, shape, flag)
+            shape, flag, stride = info
+            local, axis = self._local_shape(name, shape, flag, stride)
             if local is None:
                 return []
         pieces = split and (key[0] == S.OPTIMIZER_KEY or self.partitioned_weights)
@@ -317,14 +321,14 @@ class _Planner:
             return []
         if axis is None and all(isinstance(c, Copies) for c in columns):
             columns = [Copies(tuple(sorted(leaves)))]
-        return [TensorItem(key, shape, dtype, axis, tuple(columns))]
+        return [TensorItem(key, shape, dtype, axis, tuple(columns), stride if axis is not None else 1)]
 
-    def _local_shape(self, name: str, shape: tuple[int, ...], flag: int) -> tuple[Any, int | None]:
+    def _local_shape(self, name: str, shape: tuple[int, ...], flag: int, stride: int = 1) -> tuple[Any, int | None]:
         """(shape held by one h column, Megatron axis or None); (None, None) after a problem."""
         if flag < 0:
             return shape, None
         axis = len(shape) - 1 if flag == 0 else 0
-        if not shape or shape[axis] % self.H:
+        if not shape or shape[axis] % (self.H * stride):
             self.problems.append(
                 f"'{name}': Megatron partition (megatron_row_partition={flag}) of original_dim {list(shape)} "
                 f"cannot be split into horizontal_parallel_size={self.H} parts"
@@ -342,11 +346,14 @@ class _Planner:
         entries = {r: p[name] for r, p in enumerate(self.pinfo) if name in p}
         if not entries:
             return None
-        agreed = self._consensus(
-            (S.PARTITION_INFO_KEY, name),
-            {r: (e.original_dim, e.megatron_row_partition) for r, e in entries.items()},
-            "(original_dim, megatron_row_partition)",
-        )
+        if all(e.stride is None for e in entries.values()):  # legacy entries (no stride: plain slices)
+            values = {r: (e.original_dim, e.megatron_row_partition) for r, e in entries.items()}
+            agreed = self._consensus((S.PARTITION_INFO_KEY, name), values, "(original_dim, megatron_row_partition)")
+            agreed = None if agreed is None else (*agreed, 1)
+        else:
+            values = {r: (e.original_dim, e.megatron_row_partition, e.stride or 1) for r, e in entries.items()}
+            what = "(original_dim, megatron_row_partition, stride)"
+            agreed = self._consensus((S.PARTITION_INFO_KEY, name), values, what)
         if agreed is None:
             return False
         missing = [r for r in range(len(self.flats)) if r not in entries]

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from ..format import _schema as S
+from ..format._lazy_torch import is_tensor, torch
 
 __all__ = ["per_rank_entries", "sections_that_differ"]
 
@@ -63,10 +62,10 @@ def _same_tree(a: Any, b: Any) -> bool:
             and a.keys() == b.keys()
             and all(_same_tree(a[k], b[k]) for k in a)
         )
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+    if is_tensor(a) or is_tensor(b):
         return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
+            is_tensor(a)
+            and is_tensor(b)
             and (a.dtype, a.shape) == (b.dtype, b.shape)
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
         )

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from ..errors import CheckpointError
 from ..format import _schema as S
-from ..format._codec import numpy_to_torch_dtype
+from ..format._codec import numpy_dtype_name
 from ..format._h5_reader import DatasetInfo
+from ..format._lazy_torch import is_tensor, torch
 from ..format._schema import TrainerOptionsRecord
 
 __all__ = ["AggregationError", "RankMeta", "RankSet", "RankSource", "StateSource", "read_rank_set"]
@@ -50,10 +50,10 @@ class RankSource(Protocol):
 def _info(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _info(v) for k, v in value.items()}
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         return DatasetInfo(tuple(value.shape), value.dtype)
-    if isinstance(value, np.ndarray) and numpy_to_torch_dtype(value.dtype) is not None:
-        return DatasetInfo(value.shape, numpy_to_torch_dtype(value.dtype))
+    if isinstance(value, np.ndarray) and numpy_dtype_name(value.dtype) is not None:
+        return DatasetInfo(value.shape, numpy_dtype_name(value.dtype))
     return DatasetInfo((), type(value))
 
 

@@ -14,9 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from ..format import _schema as S
+from ..format._lazy_torch import torch
 from ..format._schema import PartitionInfo, TrainerOptionsRecord
 from ._zero import fresh, full_state_options, split_zero
 

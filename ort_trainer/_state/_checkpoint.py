@@ -132,7 +132,7 @@ def _load_local(
         sections = _own_sections(trainer, {k: reader.read(k) for k in _SECTION_KEYS if k in reader.keys()})
         user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, reader.path)
         undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(reader.path))
-        if trainer.engine is None or trainer.engine.zero is not None:
+        if trainer.engine is None or trainer.engine.zero is not None or trainer.horizontal is not None:
             tree = reader.read()
             for key in _SECTION_KEYS:
                 tree.pop(key, None)

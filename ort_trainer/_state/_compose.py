@@ -64,6 +64,8 @@ def _legacy_state(trainer: TrainerState, copy_tensors: bool, full: bool) -> dict
         state[S.OPTIMIZER_KEY] = store.optimizer.state_dict(copy=copy_tensors)
         if store.zero is not None:
             state[S.PARTITION_INFO_KEY] = store.zero.partition_info()
+    if trainer.horizontal is not None:  # Megatron: this rank's slices of the split weights (legacy partition_info)
+        state[S.PARTITION_INFO_KEY] = trainer.horizontal.combined_partition_info(state.get(S.PARTITION_INFO_KEY, {}))
     state[S.TRAINER_OPTIONS_KEY] = _trainer_options(trainer, single=full)
     state[S.TRAIN_STEP_INFO_KEY] = trainer.train_step_info.state_dict()
     if trainer.options.lr_scheduler is not None:

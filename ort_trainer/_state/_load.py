@@ -52,6 +52,9 @@ def load_trainer_state_dict(
     if opts.broadcast_from_rank0:
         state = _ranks.broadcast_from_rank0(trainer.store, state, check_input)
     check_input(state)
+    horizontal = trainer.horizontal
+    if horizontal is not None:  # Megatron: full-shaped split weights are cut to this rank's slices
+        state = horizontal.localize(state, pytorch_format=_is_pytorch_format(state))
     missing, unexpected = [], []
     if _is_pytorch_format(state):
         state, missing, unexpected = _from_pytorch(trainer, state, strict, opts)

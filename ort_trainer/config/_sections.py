@@ -142,6 +142,7 @@ class DistributedOptions:
     local_rank: int | None = None
     data_parallel_size: int | None = None
     horizontal_parallel_size: int = 1
+    horizontal_parallel_blocks: tuple = ()  # [(columns, row), ...] module names / fnmatch patterns (docs/megatron.md)
     pipeline_parallel: PipelineParallelOptions = field(default_factory=PipelineParallelOptions)
     allreduce_post_accumulation: bool = False
     deepspeed_zero_optimization: DeepspeedZeroOptions = field(default_factory=DeepspeedZeroOptions)
@@ -158,6 +159,10 @@ class DistributedOptions:
                 object.__setattr__(self, name, value)
             c.integer(name, lo=1 if name == "world_size" else 0)
         c.integer("horizontal_parallel_size", lo=1)
+        if isinstance(self.horizontal_parallel_blocks, list):
+            object.__setattr__(self, "horizontal_parallel_blocks", tuple(self.horizontal_parallel_blocks))
+        if not isinstance(self.horizontal_parallel_blocks, tuple):
+            c.fail("horizontal_parallel_blocks", "must be a list of (columns, row) module-name pairs", is_type=True)
         if self.data_parallel_size is not None:
             c.integer("data_parallel_size", lo=1)
         c.instance("pipeline_parallel", PipelineParallelOptions, "PipelineParallelOptions", optional=False)

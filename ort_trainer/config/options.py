@@ -101,7 +101,6 @@ def _gt1(value: int) -> bool:
 # What this release cannot do yet: (dotted option path, predicate on its value, feature name).
 # Delete a row when the feature lands; check_implemented() reads nothing else.
 _NOT_IMPLEMENTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("distributed.horizontal_parallel_size", _gt1, "Megatron training (its checkpoints can still be aggregated)"),
     ("distributed.pipeline_parallel.pipeline_parallel_size", _gt1, "pipeline parallel training"),
     ("distributed.pipeline_parallel.num_pipeline_micro_batches", _gt1, "pipeline parallel training"),
     ("distributed.pipeline_parallel.pipeline_cut_info_string", bool, "pipeline parallel training"),

@@ -2,12 +2,15 @@
 
 `get_optimized_model` and the gradient builder log every graph transformer at INFO level straight to
 file descriptor 2, ignoring `set_default_logger_severity`. We capture fd 2 around those calls and
-re-emit only warnings and errors, so users still see what matters.
+re-emit them as records of this module's logger (under ``ort_trainer``): ONNX Runtime's ``[E:``/``[F:``
+lines as ERROR, its INFO/VERBOSE lines as DEBUG (dropped unless that level is enabled), anything else as
+WARNING, so users still see what matters.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -16,6 +19,8 @@ from collections.abc import Iterator
 __all__ = ["quiet_native_info_logs"]
 
 _INFO_MARKERS = ("[I:onnxruntime", "[V:onnxruntime")
+_ERROR_MARKERS = ("[E:onnxruntime", "[F:onnxruntime")
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -36,5 +41,11 @@ def quiet_native_info_logs() -> Iterator[None]:
             os.close(saved)
             capture.seek(0)
             for line in capture.read().decode(errors="replace").splitlines():
-                if line and not any(marker in line for marker in _INFO_MARKERS):
-                    print(line, file=sys.stderr)
+                if line:
+                    logger.log(_level(line), "%s", line)
+
+
+def _level(line: str) -> int:
+    if any(marker in line for marker in _INFO_MARKERS):
+        return logging.DEBUG
+    return logging.ERROR if any(marker in line for marker in _ERROR_MARKERS) else logging.WARNING

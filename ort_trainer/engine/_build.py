@@ -24,6 +24,7 @@ from ort_trainer.graph._fp16_support import model_op_types, provider_fp16_suppor
 from ort_trainer.graph._gradient_fixes import expand_where_inputs
 from ort_trainer.graph._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ort_trainer.graph._passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
+from ort_trainer.graph._scaled_sum import unfuse_scaled_sum
 
 from ._memory import release_freed_memory
 from ._session import DeviceSpec, TrainingSession, build_training_graphs
@@ -112,6 +113,7 @@ class BuildRequest:
     extra_postprocess: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None  # _internal_use option
     zero_stage: int = 0
     mixed_precision: bool = False
+    horizontal: object | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
@@ -133,6 +135,8 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
             "check that the loss depends on them"
         )
     expand_where_inputs(forward, set(trainable))  # ORT's Where gradient ignores broadcasting
+    if request.horizontal is not None:
+        return _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs)
     train_model, eval_model, loss_scale_input = _training_graphs(request, forward, trainable, sorted(frozen))
     # No optimizer runs inside any graph (it runs in PyTorch over the flat buffers): the "training graph"
     # that ONNX Runtime runs is the gradient graph, so both debug paths receive it (docs/migrating.md).
@@ -166,6 +170,24 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
     )
 
 
+def _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs) -> Engine:
+    """Megatron: the graph cut into segments with collectives between them (ort_trainer.parallel)."""
+    store = request.store
+    store.optimizer.set_idle([name for name in store.layout.names if name not in set(trainable)])
+    session = request.horizontal.build_session(forward, trainable, sorted(frozen), store, request)
+    release_freed_memory()
+    return Engine(
+        store=store,
+        session=session,
+        eval_model=forward,
+        input_dtypes=tuple(t.dtype for t in sample_inputs),
+        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
+        zero_stage=request.zero_stage if store.dist is not None else 0,
+        unused_inputs=unused,
+        label_specs=label_specs,
+    )
+
+
 def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable: list[str], frozen: list[str]):
     """Training + eval graphs; with mixed precision, fp16 where the provider supports it and a scaled loss."""
     backprop, loss_scale_input, mixed = [], None, None
@@ -180,6 +202,7 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
     outputs = backprop + _loss_first(request.desc) + [o.name for o in forward.graph.output if o.name not in known]
     train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
     if request.device.torch_device.type == "cpu":  # slow single-threaded gradient kernels; CUDA left as is
+        unfuse_scaled_sum(train_model)  # the gradient builder's CUDA-only fusion: no CPU kernel
         apply_training_rewrites(train_model)
     if mixed is not None:
         strip_loss_scaling(eval_model, mixed)

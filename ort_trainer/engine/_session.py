@@ -24,6 +24,7 @@ from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
 from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
 
 from ._memory import release_freed_memory
+from ._random import draws_randomness
 
 __all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
 
@@ -186,6 +187,7 @@ class TrainingSession:
         self._bn_stats = list(bn_stats)
         self._frozen = frozen
         self._trimmed = False  # one malloc_trim after the first training run (see run_train)
+        self.draws_randomness = draws_randomness(train_model)  # Dropout: reseeded before every run (`_random`)
         strip_batchnorm_statistics(eval_model, self._bn_stats)
         dump = session_options.optimized_model_filepath  # debug.graph_save_paths: the training graph's, only
         with quiet_native_info_logs():

@@ -17,6 +17,7 @@ from ort_trainer.diagnosis import check_labels, explain_run_errors
 
 from . import _rank_check
 from ._build import Engine
+from ._random import reseed
 from ._trainer_state import TrainerState
 
 __all__ = ["check_fetches", "eval_step", "train_step"]
@@ -38,6 +39,8 @@ def train_step(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tenso
     if scaler is not None:  # constant over an accumulation cycle: the scaler moves only at updates
         scale = torch.tensor(scaler.loss_scale, dtype=torch.float32, device=engine.params.device)
         feeds[engine.loss_scale_input] = scale
+    if engine.session.draws_randomness:  # this step's Dropout masks: a function of (seed, rank, step) only
+        reseed(info.seed, 0 if state.dist is None else state.dist.rank, step)
     with explain_run_errors(engine.label_specs, engine.input_shapes, state.model_desc.input_names, inputs, feeds):
         outputs = engine.session.run_train(feeds, (step - 1) % accumulation == 0)
     _rank_check.finish_rank_check(state, pending_check)
@@ -105,6 +108,8 @@ def _update(state: TrainerState, engine: Engine, lr: float, accumulation: int, s
                 norm = math.sqrt(ctx.sum_scalar(float(own.double().square().sum())))
         else:
             ctx.all_reduce_(engine.padded_grads)
+    if norm is None and clip and state.horizontal is not None:  # split weights: the norm spans the group
+        norm = state.horizontal.grad_norm(engine.grad_views)
     if norm is None and (scaler is not None or (clip and engine.zero is not None)):
         norm = float(torch.linalg.vector_norm(engine.grads))
     if norm is not None and not math.isfinite(norm):

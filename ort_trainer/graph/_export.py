@@ -25,6 +25,8 @@ from ort_trainer.diagnosis._input_checks import explain_trace_failure
 from ort_trainer.graph._names import outer_module, plain_module
 
 from ._forward import ModelWithLoss, module_for_export
+from ._symbolics import register_symbolics
+from ._unsupported import explain_unsupported_op
 
 __all__ = ["ExportedModel", "export_torch_model", "onnx_model_parameters"]
 
@@ -63,7 +65,9 @@ def export_torch_model(
             result = ExportedModel(exported, unused_inputs=_unused_inputs(exported, desc))
             _map_names(plain, result)  # while the plain tree (canonical names) is in place
     if failure is not None:
-        explained = explain_trace_failure(model, loss_fn, desc, sample_inputs, failure)
+        explained = explain_unsupported_op(model, failure) or explain_trace_failure(
+            model, loss_fn, desc, sample_inputs, failure
+        )
         if explained is None:
             raise failure
         raise explained from failure
@@ -73,6 +77,7 @@ def export_torch_model(
 
 def _trace(wrapper: torch.nn.Module, desc: ModelDescription, sample_inputs, opset_version: int) -> onnx.ModelProto:
     buffer = io.BytesIO()
+    register_symbolics()  # aten::diff, aten::histc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(

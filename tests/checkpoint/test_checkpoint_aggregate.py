@@ -368,6 +368,7 @@ def test_streaming_failure_leaves_no_file(rank_files, tmp_path):
 _MEASURE = textwrap.dedent(
     """
     import sys
+    import torch  # before the baseline: ort_trainer.checkpoint imports it only on first use
     from ort_trainer import checkpoint as C
     def status(field):
         with open("/proc/self/status") as f:

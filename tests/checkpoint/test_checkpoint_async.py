@@ -84,8 +84,8 @@ def test_the_next_save_waits_for_the_previous_one_and_legacy_positional_argument
     assert checkpoint.decode_user_dict(checkpoint.load(tmp_path / "b.ortcp", key="user_dict")) == {"epoch": 2}
     with pytest.raises(checkpoint.CheckpointExistsError, match=r"a\.ortcp already exists"):
         trainer.save_checkpoint(tmp_path / "a.ortcp", async_save=True)  # refused at the call, not later
-    with pytest.raises(FileNotFoundError, match="its folder does not exist"):
-        trainer.save_checkpoint(tmp_path / "missing" / "c.ortcp", async_save=True)
+    trainer.save_checkpoint(tmp_path / "missing" / "c.ortcp", async_save=True).wait()  # the folder is created
+    assert (tmp_path / "missing" / "c.ortcp").is_file()
 
 
 def _failing_writes(monkeypatch) -> None:
@@ -112,9 +112,14 @@ def test_a_background_failure_is_raised_by_the_next_call_once(tmp_path, monkeypa
         trainer.save_checkpoint(tmp_path / "b.ortcp", async_save=True)
     monkeypatch.undo()
     trainer.save_checkpoint(tmp_path / "a.ortcp", async_save=True).wait()  # healthy again once space is back
-    assert checkpoint.load(tmp_path / "a.ortcp", key="train_step_info") == {"optimization_step": 2, "step": 2}
+    assert checkpoint.load(tmp_path / "a.ortcp", key="train_step_info") == {
+        "optimization_step": 2,
+        "step": 2,
+        "seed": 0,
+    }
 
 
+LOG_FORMAT = 'import logging\nlogging.basicConfig(format="REC %(name)s %(levelname)s %(message)s")\n'
 EXIT_SCRIPT = """
 import sys, time, torch
 from ort_trainer import ORTTrainer, optim
@@ -139,14 +144,19 @@ print("returned", flush=True)   # the script ends here, with both saves still ru
 def test_process_exit_waits_for_unfinished_saves_and_reports_a_failure_nobody_saw(tmp_path):
     ok, failing = tmp_path / "exit.ortcp", tmp_path / "fail.ortcp"
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(EXIT_SCRIPT), str(ok), str(failing)],
+        [sys.executable, "-c", LOG_FORMAT + textwrap.dedent(EXIT_SCRIPT), str(ok), str(failing)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0 and "returned" in result.stdout, result.stderr
-    assert checkpoint.load(ok, key="train_step_info") == {"optimization_step": 1, "step": 1}
+    info = checkpoint.load(ok, key="train_step_info")
+    assert info == {"optimization_step": 1, "step": 1, "seed": info["seed"]}
     assert not failing.exists()
     assert f"the asynchronous save of {failing} failed" in result.stderr, result.stderr
+    # reported as a log record of the ort_trainer logger (ERROR), not printed
+    assert f"REC ort_trainer.checkpoint.io._async ERROR ort_trainer: the asynchronous save of {failing}" in (
+        result.stderr
+    ), result.stderr
     assert "No space left on device" in result.stderr and str(ok) not in result.stderr

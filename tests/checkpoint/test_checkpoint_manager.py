@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -84,7 +85,7 @@ def _flip_a_data_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_restore_takes_the_latest_complete_checkpoint_skipping_damaged_and_unfinished_ones(tmp_path):
+def test_restore_takes_the_latest_complete_checkpoint_skipping_damaged_and_unfinished_ones(tmp_path, caplog):
     manager = CheckpointManager(tmp_path)
     trainer = mlp_trainer()
     saved = {}
@@ -98,9 +99,9 @@ def test_restore_takes_the_latest_complete_checkpoint_skipping_damaged_and_unfin
     (tmp_path / "ort_trainer_checkpoints.json").write_text(json.dumps(index))
 
     fresh = mlp_trainer()
-    with pytest.warns(UserWarning) as caught:
+    with caplog.at_level(logging.WARNING, logger="ort_trainer.checkpoint"):
         restored = CheckpointManager(tmp_path).restore(fresh)
-    messages = [str(w.message) for w in caught]
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("ort_trainer.checkpoint.manager")]
     assert any("ckpt-000000004.ortcp (step 4): the save did not complete" in m for m in messages), messages
     assert any("ckpt-000000003.ortcp (step 3): CheckpointCorruptError" in m for m in messages), messages
     assert restored.step == 2 and restored.user_dict == {"step": 2}
@@ -112,7 +113,7 @@ def test_restore_takes_the_latest_complete_checkpoint_skipping_damaged_and_unfin
         assert torch.equal(fresh.state_dict(pytorch_format=True)[name], value), name
 
 
-def test_restore_of_an_empty_or_hopeless_directory(tmp_path):
+def test_restore_of_an_empty_or_hopeless_directory(tmp_path, caplog):
     assert CheckpointManager(tmp_path / "new").restore(mlp_trainer()) is None  # fresh start; nothing created
     assert not (tmp_path / "new").exists()
     manager = CheckpointManager(tmp_path / "run")
@@ -121,10 +122,11 @@ def test_restore_of_an_empty_or_hopeless_directory(tmp_path):
     manager.save(trainer)
     _flip_a_data_byte(tmp_path / "run" / "ckpt-000000001.ortcp")
     with (
-        pytest.warns(UserWarning, match="skipping checkpoint"),
+        caplog.at_level(logging.WARNING, logger="ort_trainer.checkpoint"),
         pytest.raises(checkpoint.CheckpointCorruptError, match="no checkpoint in .* could be restored"),
     ):
         manager.restore(mlp_trainer())
+    assert any("skipping checkpoint" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
 def test_a_checkpoint_of_another_model_is_an_error_not_a_skip(tmp_path):

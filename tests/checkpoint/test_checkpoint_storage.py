@@ -227,8 +227,9 @@ def test_failed_save_leaves_old_file_and_no_temp_file(tmp_path, monkeypatch):
 
 
 def test_bad_targets(tmp_path):
-    with pytest.raises(FileNotFoundError, match="folder .*missing does not exist"):
-        C.save({}, tmp_path / "missing" / "c.ortcp")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="cannot save .*file/sub/c.ortcp: cannot create its folder"):
+        C.save({}, tmp_path / "file" / "sub" / "c.ortcp")
     with pytest.raises(IsADirectoryError, match="is a directory"):
         C.save({}, tmp_path, overwrite=True)
 

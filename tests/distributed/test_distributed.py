@@ -30,7 +30,7 @@ def test_data_parallel_and_zero_match_one_process_on_the_whole_batch(tmp_path, r
     for state in ranks:  # every rank holds the same full weights, equal to the single-process run
         for name, value in expected.items():
             torch.testing.assert_close(state["weights"][name], value, atol=2e-6, rtol=1e-5)
-        assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
+        assert state["train_step_info"] == {"optimization_step": 4, "step": 8, "seed": 100}  # rank 0's seed
     # per-rank losses average to the whole-batch loss (equal shard sizes)
     mean_loss = torch.stack([s["losses"] for s in ranks]).mean(0)
     torch.testing.assert_close(mean_loss, torch.tensor(losses), atol=1e-5, rtol=1e-5)
@@ -95,7 +95,7 @@ def test_checkpoint_manager_on_two_ranks_resumes_the_latest_set(tmp_path, refere
     mean_loss = torch.stack([s["losses"] for s in ranks]).mean(0)
     torch.testing.assert_close(mean_loss, torch.tensor(losses[4:]), atol=1e-5, rtol=1e-5)
     for state in ranks:
-        assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
+        assert state["train_step_info"] == {"optimization_step": 4, "step": 8, "seed": 100}  # rank 0's seed
     latest = checkpoint.CheckpointManager(run).latest()
     assert latest.step == 8 and latest.path.endswith("ckpt-000000008.ortcp.manifest.json")
     assert_full_state_equal(checkpoint.aggregate_checkpoints(latest.path), trainer.state_dict())
@@ -112,7 +112,7 @@ def test_reshard_and_continue_matches_uninterrupted_training(tmp_path, reference
         after[0], tmp_path / "second", "--zero", after[1], "--start", 4, "--load", checkpoint.manifest_path(path)
     )
     for state in ranks:
-        assert state["train_step_info"] == {"optimization_step": 4, "step": 8}
+        assert state["train_step_info"] == {"optimization_step": 4, "step": 8, "seed": 100}  # rank 0's seed
         for name, value in trainer.state_dict(pytorch_format=True).items():
             torch.testing.assert_close(state["weights"][name], value, atol=2e-6, rtol=1e-5)
 

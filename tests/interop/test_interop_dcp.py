@@ -23,5 +23,5 @@ def test_dcp_resume_in_a_fresh_process_is_bit_identical(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     full, first, resumed = (checkpoint.load(tmp_path / f"{name}.h5") for name in ("full", "first", "resumed"))
     assert torch.equal(torch.cat([first.pop("losses"), resumed.pop("losses")]), full.pop("losses"))
-    assert resumed["train_step_info"] == {"optimization_step": 5, "step": 10}
+    assert resumed["train_step_info"] == {"optimization_step": 5, "step": 10, "seed": 0}  # the saved run's
     assert_trees_equal(resumed, full)

@@ -166,7 +166,7 @@ def test_trainer_package_shows_its_parts_and_imports_go_one_way():
     rooms = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert {"config", "graph", "diagnosis", "engine", "_state"} <= rooms
     flat = {p.name for p in folder.glob("*.py")}
-    assert flat == {"__init__.py", "trainer.py", "train_step_info.py"}, flat
+    assert flat == {"__init__.py", "__main__.py", "trainer.py", "train_step_info.py"}, flat  # __main__: -m
     assert (folder / "graph" / "rewrites" / "__init__.py").exists()
     above = {
         "ort_trainer.graph": ("ort_trainer.engine", "ort_trainer._state", "ort_trainer.trainer"),

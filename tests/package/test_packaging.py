@@ -9,6 +9,8 @@ editable ``ort_trainer`` is not activated there (``.pth`` files in a directory a
 
 from __future__ import annotations
 
+import email.message
+import email.parser
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from tests.paths import REPO
 
@@ -127,3 +130,146 @@ def test_installed_wheel_trains_saves_and_loads_beside_user_modules(wheel, tmp_p
     )
     assert module.returncode == 0, module.stdout + module.stderr
     assert "epoch" in module.stdout or "user_dict" in module.stdout
+
+
+# ---- the gates a new user passes first: metadata, extras, version, source-tree imports -----------------------
+def _metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.Parser().parsestr(archive.read(name).decode())
+
+
+def test_wheel_metadata_declares_ranges_extras_license_and_types(wheel):
+    meta = _metadata(wheel)
+    requirements = [Requirement(r) for r in meta.get_all("Requires-Dist")]
+    runtime = {r.name: r.specifier for r in requirements if r.marker is None}
+    assert runtime["torch"].contains("2.13.0") and runtime["torch"].contains("2.14.1")
+    assert not runtime["torch"].contains("2.15.0") and not runtime["torch"].contains("2.12.0")
+    assert str(runtime["onnxruntime-training"]) == "==1.19.2" and str(runtime["onnx"]) == "==1.17.0"
+    for name, spec in runtime.items():  # ranges, not pins, for everything that is not known to break
+        if name not in ("onnxruntime-training", "onnx"):
+            assert ">=" in str(spec) and "==" not in str(spec), (name, spec)
+    pinned = dict(
+        line.split("==") for line in (REPO / "requirements.txt").read_text().splitlines() if "==" in line
+    )  # the lock file CI installs must satisfy every range
+    for name, spec in runtime.items():
+        assert spec.contains(pinned[name].strip(), prereleases=True), (name, spec, pinned[name])
+    extras = {}
+    for r in requirements:
+        if r.marker is not None:
+            extra = str(r.marker).split("==")[1].strip().strip("\"'")
+            extras.setdefault(extra, set()).add(r.name)
+    assert {"safetensors"} <= extras["safetensors"] and {"fsspec", "s3fs"} <= extras["s3"]
+    assert {"pytest", "ruff", "safetensors", "transformers", "moto"} <= extras["dev"], extras["dev"]
+    assert "matplotlib" in extras["samples"]
+    assert meta["License-Expression"] == "MIT" and meta["License-File"] == "LICENSE"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert "ort_trainer/py.typed" in names and "ort_trainer/__main__.py" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
+
+
+def _fake_wheel(folder: Path, name: str, version: str) -> Path:
+    """A distribution with metadata only (pip resolves against it without downloading the real one)."""
+    info = f"{name}-{version}.dist-info"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    files = {
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, text in files.items():
+            archive.writestr(member, text)
+        archive.writestr(f"{info}/RECORD", "".join(f"{m},,\n" for m in [*files, f"{info}/RECORD"]))
+    return path
+
+
+def test_the_wheel_installs_beside_torch_2_14(wheel, tmp_path):
+    """pip resolves ort_trainer together with torch 2.14 (the exact pin of 0.1.0 made that impossible)."""
+    _fake_wheel(tmp_path, "torch", "2.14.0")
+    resolved = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links", str(tmp_path)]
+        + [str(wheel), "torch==2.14.0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resolved.returncode == 0, resolved.stdout + resolved.stderr
+    assert "torch-2.14.0" in resolved.stdout, resolved.stdout
+
+
+def test_installed_wheel_has_version_info_command_and_typed_marker(wheel, tmp_path):
+    python = _fresh_venv(tmp_path / "venv")
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    version = _metadata(wheel)["Version"]
+    script = tmp_path / "venv" / "bin" / "ort-trainer-ckpt"
+    shown = subprocess.run([str(script), "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout.strip() == f"ort-trainer-ckpt (ort_trainer) {version}", shown
+    info = subprocess.run([str(python), "-m", "ort_trainer"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert info.stdout.startswith(f"ort_trainer {version} (") and "site-packages" in info.stdout.splitlines()[0]
+    for line in ("torch 2.", "onnxruntime-training 1.19.2", "onnx 1.17.0", "CPUExecutionProvider", "threads: "):
+        assert line in info.stdout, info.stdout
+    typed = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import ort_trainer, pathlib; print(pathlib.Path(ort_trainer.__file__).with_name('py.typed').is_file())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert typed.stdout.strip() == "True", typed
+
+
+_FROM_ROOT = """
+import importlib.util, sys
+import ort_trainer
+from ort_trainer import amp, checkpoint, optim
+from ort_trainer.checkpoint.format import FORMAT_VERSION
+for name in ("samples", "tests", "benchmarks", "docs"):
+    assert importlib.util.find_spec("ort_trainer." + name) is None, name
+if sys.argv[1:] == ["trainer"]:
+    from ort_trainer import ORTTrainer
+print(ort_trainer.__file__, checkpoint.__file__, optim.__file__, amp.__file__, FORMAT_VERSION)
+"""
+
+
+def _source_copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "clone"
+    ignore = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "out", "__pycache__", "*.ortcp")
+    shutil.copytree(REPO, copy, ignore=ignore)
+    return copy
+
+
+@pytest.mark.parametrize("install", ["wheel", "nothing", "editable"])
+def test_import_from_the_repository_root(wheel, tmp_path, install):
+    """`python -c "import ort_trainer"` in a clone's root: the clone's code, its three mapped subpackages found."""
+    python = _fresh_venv(tmp_path / "venv")
+    clone = _source_copy(tmp_path)
+    if install != "nothing":
+        target = [str(wheel)] if install == "wheel" else ["--no-build-isolation", "-e", str(clone)]
+        installed = subprocess.run(
+            [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", *target],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert installed.returncode == 0, installed.stdout + installed.stderr
+    extra = ["trainer"] if install == "wheel" else []  # the whole package once (torch, ONNX Runtime)
+    run = subprocess.run(
+        [str(python), "-c", _FROM_ROOT, *extra], cwd=clone, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    package, sub_checkpoint, sub_optim, sub_amp, _ = run.stdout.split()
+    assert package == str(clone / "ort_trainer" / "__init__.py")
+    assert (sub_checkpoint, sub_optim, sub_amp) == tuple(
+        str(clone / s / "__init__.py") for s in ("checkpoint", "optim", "amp")
+    )

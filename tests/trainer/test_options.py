@@ -32,6 +32,7 @@ DEFAULTS = {
         "local_rank": 0,
         "data_parallel_size": 1,
         "horizontal_parallel_size": 1,
+        "horizontal_parallel_blocks": [],
         "pipeline_parallel": {
             "pipeline_parallel_size": 1,
             "num_pipeline_micro_batches": 1,
@@ -302,12 +303,12 @@ def test_ranks_must_be_inside_the_world():
 
 def test_defaults_are_implemented():
     ORTTrainerOptions().check_implemented()
+    ORTTrainerOptions({"distributed": {"world_size": 2, "horizontal_parallel_size": 2}}).check_implemented()  # Megatron
 
 
 @pytest.mark.parametrize(
     ("raw", "path"),
     [
-        ({"distributed": {"world_size": 2, "horizontal_parallel_size": 2}}, "horizontal_parallel_size=2: Megatron"),
         ({"distributed": {"pipeline_parallel": {"pipeline_parallel_size": 2}}}, "pipeline_parallel_size=2"),
         ({"distributed": {"pipeline_parallel": {"num_pipeline_micro_batches": 4}}}, "num_pipeline_micro_batches=4"),
         ({"distributed": {"enable_adasum": True}}, "distributed.enable_adasum=True: Adasum"),

@@ -41,7 +41,7 @@ def resume_runs(tmp_path_factory):
 def test_resume_in_fresh_process_is_bit_identical(resume_runs, name):
     """N steps == k steps + save + load in a new process + N-k steps (LR schedule, accumulation 2)."""
     full, first, resumed = (checkpoint.load(resume_runs / f"{name}-{part}.h5") for part in ("full", "first", "resumed"))
-    assert resumed["train_step_info"] == full["train_step_info"] == {"optimization_step": 6, "step": 12}
+    assert resumed["train_step_info"] == full["train_step_info"] == {"optimization_step": 6, "step": 12, "seed": 0}
     assert resumed["lr"] == full["lr"]
     torch.testing.assert_close(torch.cat([first["losses"], resumed["losses"]]), full["losses"], atol=0, rtol=0)
     _assert_trees_equal(full["model"], resumed["model"])
@@ -70,7 +70,7 @@ def test_state_dict_layout_and_copies():
     assert set(state["optimizer"]["fc1.weight"]) == {"Moment_1", "Moment_2", "Update_Count"}
     assert state["optimizer"]["fc1.weight"]["Update_Count"].tolist() == [2]
     assert state["trainer_options"] == legacy_trainer_options()
-    assert state["train_step_info"] == {"optimization_step": 1, "step": 1}
+    assert state["train_step_info"] == {"optimization_step": 1, "step": 1, "seed": 0}
     state["model"]["full_precision"]["fc1.weight"].zero_()  # a copy: training is not affected
     assert trainer.state_dict()["model"]["full_precision"]["fc1.weight"].abs().sum() > 0
 
@@ -229,7 +229,7 @@ def test_legacy_checkpoint_loads_into_equivalent_trainer():
         for part in parts:
             value = value[part]
         np.testing.assert_array_equal(np.asarray(value), expected[key], err_msg=key)
-    assert state["train_step_info"] == {"optimization_step": 8, "step": 8}
+    assert state["train_step_info"] == {"optimization_step": 8, "step": 8, "seed": 0}  # the file has none: ours
 
 
 def test_a_wrong_checkpoint_before_the_first_step_is_refused_and_never_silently_dropped():

@@ -1,0 +1,7 @@
+"""What ``import ort_trainer`` does before anything else: find the subpackages in a source checkout
+(``source_tree``) and apply ``ORT_TRAINER_LOG_LEVEL`` (``logging_env``)."""
+
+from .logging_env import ENV_VAR, LOGGER_NAME, configure_from_env
+from .source_tree import SUBPACKAGES, install
+
+__all__ = ["ENV_VAR", "LOGGER_NAME", "SUBPACKAGES", "configure_from_env", "install"]
