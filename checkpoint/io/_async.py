@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-import threading
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
