@@ -39,7 +39,9 @@ def train_step(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tenso
     if scaler is not None:  # constant over an accumulation cycle: the scaler moves only at updates
         scale = torch.tensor(scaler.loss_scale, dtype=torch.float32, device=engine.params.device)
         feeds[engine.loss_scale_input] = scale
-    if engine.session.draws_randomness:  # this step's Dropout masks: a function of (seed, rank, step) only
+    # This step's Dropout masks: a function of (seed, rank, step) only. Horizontal (Megatron) sessions keep
+    # ORT's own generator: their replicated regions would need one seed per data-parallel group.
+    if getattr(engine.session, "draws_randomness", False):
         reseed(info.seed, 0 if state.dist is None else state.dist.rank, step)
     with explain_run_errors(engine.label_specs, engine.input_shapes, state.model_desc.input_names, inputs, feeds):
         outputs = engine.session.run_train(feeds, (step - 1) % accumulation == 0)

@@ -58,6 +58,8 @@ class _Runner:
 class ParallelSession:
     """Forward/backward of the segments of one rank, with the f/g all-reduces over ``group``."""
 
+    draws_randomness = False  # dropout that is on is refused (`segments`): nothing to reseed before a run
+
     def __init__(
         self,
         graph: SegmentedGraph,
