@@ -105,6 +105,8 @@ def input_kind(path: Path) -> InputKind:
         raise CheckpointNotFoundError(f"{path}: no such file")
     if path.is_dir():
         raise CheckpointFormatError(f"{path} is a directory; give a checkpoint, manifest, .pt or .safetensors file")
+    if not path.is_file():
+        raise CheckpointFormatError(f"{path} is not a regular file (a FIFO, socket or device)")
     if path.suffix.lower() == SAFETENSORS_SUFFIX:
         return "safetensors"
     if h5py.is_hdf5(path):

@@ -235,6 +235,7 @@ def atomic_file(path: Path, overwrite: bool) -> Iterator[LockedTempFile]:
     try:
         with LockedTempFile(tmp_name) as tmp:
             yield tmp
+            tmp.unlock()
             publish(tmp.path, path, overwrite)
             tmp.keep()
     except BaseException as exc:

@@ -22,7 +22,6 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
     CheckpointKeyError,
-    CheckpointNotFoundError,
     CheckpointVersionError,
 )
 from . import _schema as S
@@ -30,7 +29,7 @@ from ._checksum import PendingChecks as _Checksums
 from ._checksum import for_version, streamed_checksum
 from ._codec import BITS_DTYPE_NAMES, bits_dtype_names, decode_python_value, numpy_dtype_name
 from ._h5_index import Node, h5_guard, load_attrs, scan_file, tree_digest
-from ._header import check_header
+from ._h5_open import open_h5
 from ._lazy_torch import is_torch_dtype, torch
 
 __all__ = ["CheckpointReader", "DatasetInfo", "Key", "load", "open_checkpoint", "split_key"]
@@ -124,29 +123,17 @@ def split_key(key: Key) -> tuple[str, ...]:
     return tuple(key)
 
 
-def _open_h5(path: Path, verify: bool) -> tuple[h5py.File, bool]:
-    """Open read-only; with ``verify`` our header's metadata checksum is checked before HDF5 parses.
-
-    Returns the file and whether a verified header covered all its metadata.
-    """
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{path}: no such checkpoint file")
-    if path.is_dir():
-        raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file")
-    has_header = verify and check_header(path)
-    if not h5py.is_hdf5(path):
-        raise CheckpointFormatError(
-            f"{path} is not an HDF5 file; expected a checkpoint written by checkpoint.save or the legacy ORTTrainer"
-        )
-    with h5_guard(str(path), "/ (file header)"):
-        return h5py.File(path, "r"), has_header
-
-
 def _format_version(path: Path, attrs: dict[str, Any]) -> int:
     """Check the root attributes: 0 for a legacy file, else our (supported) format version."""
     if not attrs:
         return S.LEGACY_FORMAT_VERSION
     fmt, version = attrs.get(S.ATTR_FORMAT), attrs.get(S.ATTR_FORMAT_VERSION)
+    kinds = {S.ATTR_FORMAT: str, S.ATTR_FORMAT_VERSION: int, S.ATTR_LIBRARY_VERSION: str, S.ATTR_TREE_CRC32: int}
+    for name, kind in kinds.items():
+        value = attrs.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            shown = f"{type(value).__name__} {value!r}"[:120]
+            raise CheckpointCorruptError(f"{path}: root attribute {name} is {shown}, expected a {kind.__name__}")
     if isinstance(version, int) and version > S.FORMAT_VERSION:
         raise CheckpointVersionError(
             f"{path} has checkpoint format version {version}, newer than the newest this library reads "
@@ -176,7 +163,7 @@ class CheckpointReader:
         self.verify_checksums = verify
         self._verified_stat: tuple[int, ...] | None = None  # the file as a full verify() saw it (see _new_checks)
         self._as_numpy: bool | str = False  # read(as_numpy=True) / verify() ("raw") for the duration of the call
-        self._file, has_header = _open_h5(self.path, verify)
+        self._file, has_header, size = open_h5(self.path, verify)
         try:
             with h5_guard(str(self.path), "/ (root attributes)"):
                 names = set(self._file.attrs.keys())
@@ -185,7 +172,6 @@ class CheckpointReader:
             self.format_version = _format_version(self.path, self.attrs)
             self.checksum = for_version(self.format_version)  # None for legacy files
             self._checksum_attr = self.checksum.attr if self.checksum else S.ATTR_CRC32C
-            size = self.path.stat().st_size
             # The structure digest is needed only when no verified header already covered the metadata.
             digest = verify and not self.is_legacy and not has_header
             self._root = scan_file(

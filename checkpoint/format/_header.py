@@ -89,32 +89,39 @@ def _parse(fh: BinaryIO, path: Path, file_size: int) -> tuple[int, int, int, lis
     return ub_size, size, meta_crc, ranges
 
 
-def check_header(path: Path) -> bool:
+def check_header(path: Path, fh: BinaryIO | None = None) -> bool:
     """Verify the header and metadata checksum; False if the file has no header (legacy/rewritten).
 
     Raises CheckpointCorruptError for a damaged header, a truncated or extended file, or damaged
-    HDF5 metadata, before HDF5 ever reads the file.
+    HDF5 metadata, before HDF5 ever reads the file. With ``fh`` (the file already open), the size and
+    the bytes come from that open file: a save replacing ``path`` meanwhile cannot mix two files.
     """
-    file_size = os.path.getsize(path)
     try:
-        with open(path, "rb") as fh:
-            parsed = _parse(fh, path, file_size)
-            if parsed is None:
-                return False
-            ub_size, size, meta_crc, ranges = parsed
-            if size != file_size:
-                raise CheckpointCorruptError(
-                    f"{path}: file is {file_size} bytes but was written with {size} (truncated or modified)"
-                )
-            ends = [o + n for o, n in ranges]
-            if (
-                any(o < ub_size for o, _ in ranges[:1])
-                or any(e > file_size for e in ends[-1:])
-                or any(ranges[i + 1][0] < ends[i] for i in range(len(ranges) - 1))
-            ):
-                raise CheckpointCorruptError(f"{path}: damaged checkpoint header (invalid data ranges)")
-            if _metadata_crc(fh, ub_size, file_size, ranges) != meta_crc:
-                raise CheckpointCorruptError(f"{path}: HDF5 metadata checksum mismatch: the file structure is damaged")
+        if fh is not None:
+            fh.seek(0)
+            return _check_open(fh, path, os.fstat(fh.fileno()).st_size)
+        with open(path, "rb") as opened:
+            return _check_open(opened, path, os.fstat(opened.fileno()).st_size)
     except OSError as exc:
         raise CheckpointCorruptError(f"{path}: cannot read the checkpoint header ({exc})") from exc
+
+
+def _check_open(fh: BinaryIO, path: Path, file_size: int) -> bool:
+    parsed = _parse(fh, path, file_size)
+    if parsed is None:
+        return False
+    ub_size, size, meta_crc, ranges = parsed
+    if size != file_size:
+        raise CheckpointCorruptError(
+            f"{path}: file is {file_size} bytes but was written with {size} (truncated or modified)"
+        )
+    ends = [o + n for o, n in ranges]
+    if (
+        any(o < ub_size for o, _ in ranges[:1])
+        or any(e > file_size for e in ends[-1:])
+        or any(ranges[i + 1][0] < ends[i] for i in range(len(ranges) - 1))
+    ):
+        raise CheckpointCorruptError(f"{path}: damaged checkpoint header (invalid data ranges)")
+    if _metadata_crc(fh, ub_size, file_size, ranges) != meta_crc:
+        raise CheckpointCorruptError(f"{path}: HDF5 metadata checksum mismatch: the file structure is damaged")
     return True

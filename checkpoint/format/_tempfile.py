@@ -1,7 +1,8 @@
 """The temporary file of a save: named after its writer, locked while it lives, cleaned up when it is stale.
 
 A save writes ``.<name>.tmp-<host>.<pid>-<8 hex>`` next to the target and holds an exclusive ``flock``
-on it from its creation until it is published or removed. A killed save leaves its file behind;
+on it from its creation until just before it is published (or until it is removed). A killed save
+leaves its file behind;
 :func:`remove_stale_temp_files` (called by every save for its folder, and by ``cleanup_temp_files``)
 removes such a file only when
 
@@ -65,6 +66,17 @@ class LockedTempFile:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a file system without locks: the pid in the name still protects the file
             pass
+
+    def unlock(self) -> None:
+        """Release the lock just before the file is published: readers of the published file must never
+        meet it (nor a copy of it held by a child forked meanwhile: ``flock`` locks are shared by every
+        descriptor of the open file, and this releases them all). A live writer's file stays safe from
+        cleanup by its name (its pid is alive)."""
+        if self.fd >= 0:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
 
     def keep(self) -> None:
         """The file was published under its final name (the temporary name is gone): do not remove it."""

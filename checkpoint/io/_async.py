@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -35,8 +36,9 @@ class SaveHandle:
     whether it has finished; ``result`` is what the job returned (e.g. the paths written).
     """
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, what: str | None = None) -> None:
         self.label = label
+        self.what = what or f"the asynchronous save of {label}"  # how the exit report names it
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._reported = False
@@ -68,6 +70,12 @@ class SaveHandle:
             raise TimeoutError(f"the save of {self.label} did not finish within {timeout} s")
         self._raise()
         return self.result
+
+    def wait_unreported(self) -> None:
+        """Block until the save is finished; raise its error only if nobody has been told about it yet."""
+        self._done.wait()
+        if not self._reported:
+            self._raise()
 
     @property
     def error(self) -> BaseException | None:
@@ -151,8 +159,22 @@ class AsyncWriter:
                 handle._finish(result, None)
 
         self._handle = handle
-        self._thread = threading.Thread(target=run, name=f"ort_trainer-save {label}", daemon=False)
-        self._thread.start()
+        if _shutting_down():  # a thread started now would never be joined: save on this thread instead
+            run()
+            handle._mark_reported()  # raised here, at the call
+            handle._raise()
+            return handle
+        thread = threading.Thread(target=run, name=f"ort_trainer-save {label}", daemon=False)
+        try:
+            thread.start()
+        except BaseException as exc:  # e.g. "can't start new thread" at a memory or thread limit
+            self._handle = None
+            done.set()  # nothing will copy the buffers: training must not wait for it
+            raise RuntimeError(
+                f"cannot save {label} in the background: the save thread could not start ({exc}); nothing was "
+                "written and training can go on (save with async_save=False, or free memory and try again)"
+            ) from exc
+        self._thread = thread
         return handle
 
     def wait_for_snapshot(self) -> None:
@@ -173,6 +195,12 @@ class AsyncWriter:
             handle._raise()
 
 
+def _shutting_down() -> bool:
+    """True once the interpreter is exiting: ``atexit`` hooks run after Python joined its threads
+    (``threading._shutdown``), so a save thread started from one would be cut off mid-write."""
+    return sys.is_finalizing() or bool(getattr(threading, "_SHUTTING_DOWN", False))
+
+
 _UNREPORTED: set[SaveHandle] = set()  # failed saves whose error nobody has seen yet
 
 
@@ -181,8 +209,8 @@ def _report_unseen_errors() -> None:
     for handle in sorted(_UNREPORTED, key=lambda h: h.label):
         handle._reported = True
         logger.error(
-            "ort_trainer: the asynchronous save of %s failed after the last call that could report it: %s: %s",
-            handle.label,
+            "ort_trainer: %s failed after the last call that could report it: %s: %s",
+            handle.what,
             type(handle._error).__name__,
             handle._error,
         )

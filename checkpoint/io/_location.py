@@ -24,10 +24,15 @@ from urllib.parse import unquote, urlparse
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointStorageError
 from ..format._h5_writer import _fsync, _publish
+from ..format._tempfile import host_tag
+from ._stale import remove_stale_objects
 
 __all__ = ["LocalLocation", "Location", "RemoteLocation", "is_url", "resolve", "temp_name"]
 
 PathLike = str | os.PathLike[str]
+# Stores whose put can be conditional (If-None-Match: *) and appears atomically: ``overwrite=False`` is enforced
+# by the store itself. Elsewhere it is an existence check before the upload (racy between concurrent writers).
+_CONDITIONAL_PUT = frozenset({"s3", "s3a"})
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")  # two letters at least: C:\ is a Windows drive, not a URL
 
 
@@ -37,8 +42,9 @@ def is_url(path: Any) -> bool:
 
 
 def temp_name(name: str) -> str:
-    """The hidden temporary name a file is written under before it is published as ``name``."""
-    return f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    """The hidden temporary name a file is written under before it is published as ``name``
+    (writer's host and pid in it: a later save removes it if the writer was killed, see ``_stale``)."""
+    return f".{name}.tmp-{host_tag()}.{os.getpid()}-{secrets.token_hex(4)}"
 
 
 class LocalLocation:
@@ -80,9 +86,12 @@ class LocalLocation:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def read_bytes(self) -> bytes:
-        if not self.path.is_file():
+        if not self.path.is_file():  # a FIFO is no file either: reading it would block
             raise CheckpointNotFoundError(f"{self.display}: no such file")
-        return self.path.read_bytes()
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:  # removed since
+            raise CheckpointNotFoundError(f"{self.display}: no such file") from None
 
     def write_bytes(self, data: bytes, *, overwrite: bool) -> None:
         """Write ``data`` to a temporary file, fsync it, publish it atomically (refusing to replace unless asked)."""
@@ -165,18 +174,38 @@ class RemoteLocation:
 
     def write_bytes(self, data: bytes, *, overwrite: bool) -> None:
         self.refuse_existing(overwrite)
+        if not overwrite and self.scheme in _CONDITIONAL_PUT:
+            self._create(lambda: self.fs.pipe_file(self.key, data, mode="create"))
+            return
         tmp = self.sibling(temp_name(self.name))
         with storage_errors(self.display, "write"), _removing_on_error(tmp):
             self.fs.pipe_file(tmp.key, data)
-            self.fs.mv(tmp.key, self.key)
+            _move(self.fs, tmp.key, self.key)
 
     def publish_file(self, local: Path, *, overwrite: bool) -> None:
         """Upload a finished local file to a temporary key, then move it to this key."""
         self.refuse_existing(overwrite)
+        remove_stale_objects(self.fs, self.folder().key)
+        if not overwrite and self.scheme in _CONDITIONAL_PUT:
+            self._create(lambda: self.fs.put_file(os.fspath(local), self.key, mode="create"))
+            return
         tmp = self.sibling(temp_name(self.name))
         with storage_errors(self.display, "upload"), _removing_on_error(tmp):
             self.fs.put_file(os.fspath(local), tmp.key)
-            self.fs.mv(tmp.key, self.key)
+            _move(self.fs, tmp.key, self.key)
+
+    def _create(self, put: Any) -> None:
+        """Write the object straight to its key, only if no object is there (S3 ``If-None-Match: *``):
+        of two concurrent writers with ``overwrite=False`` exactly one succeeds. A put is atomic for
+        readers (the object appears whole when the upload completes), so no temporary key is needed."""
+        with storage_errors(self.display, "upload"):
+            try:
+                put()
+            except FileExistsError:
+                raise CheckpointExistsError(
+                    f"{self.display} already exists (written by another writer meanwhile); pass overwrite=True "
+                    "to replace it"
+                ) from None
 
     def fetch_to(self, local: Path) -> None:
         with storage_errors(self.display, "download"):
@@ -207,8 +236,26 @@ def resolve(path: PathLike | Location, storage_options: Mapping[str, Any] | None
     if not is_url(path):
         return LocalLocation(path)
     if path.lower().startswith("file://"):
-        return LocalLocation(unquote(urlparse(path).path))
+        return LocalLocation(_file_url_path(path))
     return RemoteLocation(path, storage_options)
+
+
+def _file_url_path(url: str) -> str:
+    """The local path of a ``file://`` URL: ``file:///abs/path`` or ``file://localhost/abs/path`` (RFC 8089).
+
+    Anything between ``file://`` and the next ``/`` is a host name: ``file://runs/ck.ortcp`` names host
+    ``runs``, not the relative path ``runs/ck.ortcp``, and is refused rather than written to ``/ck.ortcp``.
+    """
+    parsed = urlparse(url)
+    if parsed.netloc.lower() not in ("", "localhost"):
+        raise ValueError(
+            f"{url}: a file:// URL names the host '{parsed.netloc}', but only this machine's files can be "
+            f"written (file:///absolute/path or file://localhost/absolute/path); for a relative path give it "
+            f"without file://, e.g. '{parsed.netloc}{parsed.path}'"
+        )
+    if parsed.query or parsed.fragment:
+        raise ValueError(f"{url}: a file:// URL with '?' or '#' is ambiguous; give the path without file://")
+    return unquote(parsed.path)
 
 
 def _filesystem(url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
@@ -234,6 +281,18 @@ def _filesystem(url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]
 
 def _strip(fs: Any, url: str) -> str:
     return fs._strip_protocol(url)
+
+
+def _move(fs: Any, source: str, target: str) -> None:
+    """Copy exactly ``source`` to exactly ``target`` (server-side on S3), then delete ``source``.
+
+    Not ``fs.mv``: it expands ``?``, ``*`` and ``[`` as glob patterns and, for such names, moves the
+    object into a "folder" ``<target>/`` instead. A temporary object left by a failed delete is removed
+    by a later save (see ``_stale``).
+    """
+    fs.cp_file(source, target)
+    with contextlib.suppress(Exception):
+        fs.rm_file(source)
 
 
 @contextlib.contextmanager

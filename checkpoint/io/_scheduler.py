@@ -19,13 +19,14 @@ it in the same order).
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import CheckpointExistsError
 from ..format._h5_writer import save_to_checked_target
 from ._async import AsyncWriter, SaveHandle
-from ._location import Location
+from ._location import LocalLocation, Location
 from ._set_writer import plan_set_save, write_set
 from ._transfer import make_parent_folder, save_tree
 
@@ -111,6 +112,7 @@ def write_checkpoint(
     its own thread (the caller waits with ``io.writer.wait_for_snapshot()`` before changing them).
     """
     label = target.display
+    target = _pinned(target)
     if ctx is None:
         _check_single_target(target, overwrite)  # the one check of the target, on the calling thread
         if not async_save:
@@ -126,6 +128,15 @@ def write_checkpoint(
     coordination = io.checkpoint_group(ctx.rank, ctx.world_size)
     snapshot, finish = io.writer.snapshot.take(state, defer)
     return io.writer.submit(lambda: write_set(plan, coordination, snapshot, step), label, prepare=finish)
+
+
+def _pinned(target: Location) -> Location:
+    """A relative local path made absolute now: a background save must not follow a later ``os.chdir``."""
+    if target.remote or target.path.is_absolute():
+        return target
+    pinned = LocalLocation(os.path.abspath(target.path))
+    pinned.display = target.display
+    return pinned
 
 
 def _save_one(tree: Mapping[str, Any], target: Location, overwrite: bool) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any
 from ..format._h5_writer import save
 from ..sets._manifest import Manifest, file_crc32, read_manifest
 from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve, storage_errors
+from ._stale import remove_stale_spools, spool_prefix
 
 __all__ = [
     "FileRecord",
@@ -47,8 +48,10 @@ class FileRecord:
 
 @contextlib.contextmanager
 def spool_folder() -> Iterator[Path]:
-    """A private temporary folder for files on their way to or from remote storage."""
-    with tempfile.TemporaryDirectory(prefix="ort_trainer-spool-") as folder:
+    """A private temporary folder for files on their way to or from remote storage (named after this
+    process: the next one removes it if this process is killed, see ``_stale``)."""
+    remove_stale_spools()
+    with tempfile.TemporaryDirectory(prefix=spool_prefix()) as folder:
         yield Path(folder)
 
 

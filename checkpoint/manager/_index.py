@@ -22,11 +22,12 @@ from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..format import _schema as S
 from ..io._location import Location
 
-__all__ = ["INDEX_NAME", "IndexEntry", "checkpoint_name", "read_index", "scan", "write_index"]
+__all__ = ["INDEX_NAME", "MAX_STEP", "IndexEntry", "checkpoint_name", "read_index", "scan", "write_index"]
 
 INDEX_NAME = "ort_trainer_checkpoints.json"
 INDEX_FORMAT = "ort_trainer.checkpoint.index"
 INDEX_VERSION = 1
+MAX_STEP = 10**18 - 1  # names hold up to 18 digits (the scan below matches no more)
 _PREFIX, _SUFFIX = "ckpt-", ".ortcp"
 _NAME = re.compile(rf"{_PREFIX}(\d{{1,18}}){re.escape(_SUFFIX)}")
 _MANIFEST = re.compile(rf"{_PREFIX}(\d{{1,18}}){re.escape(_SUFFIX + S.MANIFEST_SUFFIX)}")
@@ -51,13 +52,21 @@ class IndexEntry:
 
 
 def _entry(item: Any, where: str) -> IndexEntry:
+    try:
+        return _checked_entry(item, where)
+    except (OverflowError, ValueError, TypeError, RecursionError) as exc:  # e.g. a time of 10**400
+        shown = repr(item)[:200] if not isinstance(exc, RecursionError) else type(item).__name__
+        raise CheckpointFormatError(f"{where}: invalid index entry {shown} ({type(exc).__name__}: {exc})") from None
+
+
+def _checked_entry(item: Any, where: str) -> IndexEntry:
     ok = isinstance(item, dict) and set(item) == {"step", "name", "metrics", "time"}
     ok = ok and isinstance(item["step"], int) and not isinstance(item["step"], bool) and item["step"] >= 0
     ok = ok and item.get("name") == checkpoint_name(item["step"]) and isinstance(item["metrics"], dict)
     ok = ok and all(isinstance(k, str) and isinstance(v, int | float) for k, v in item["metrics"].items())
     ok = ok and isinstance(item["time"], int | float) and math.isfinite(item["time"])
     if not ok:
-        raise CheckpointFormatError(f"{where}: invalid index entry {item!r}")
+        raise CheckpointFormatError(f"{where}: invalid index entry {repr(item)[:200]}")
     return IndexEntry(item["step"], item["name"], {k: float(v) for k, v in item["metrics"].items()}, item["time"])
 
 
@@ -69,7 +78,7 @@ def read_index(location: Location) -> dict[int, IndexEntry]:
         return {}
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # invalid JSON or UTF-8, too deep, an int of > 4300 digits
         raise CheckpointFormatError(
             f"{location.display} is not an ort_trainer checkpoint index (invalid JSON: {exc}); the manager does "
             "not write over files it did not create: move it away or choose another directory"

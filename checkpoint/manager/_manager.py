@@ -33,7 +33,7 @@ from ..io._location import LocalLocation, Location, resolve
 from ..io._set_writer import remove_set
 from ..io._transfer import read_manifest_at
 from ..sets._manifest import check_manifest
-from ._index import INDEX_NAME, IndexEntry, checkpoint_name, read_index, scan, write_index
+from ._index import INDEX_NAME, MAX_STEP, IndexEntry, checkpoint_name, read_index, scan, write_index
 from ._policy import RetentionPolicy, check_metrics
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class CheckpointManager:
         self._entries: dict[int, IndexEntry] | None = None  # rank 0's record, read on first use
         self._in_flight: set[int] = set()  # steps whose save this process started and has not seen finish
         self._handle: SaveHandle | None = None
-        self._error: BaseException | None = None  # a pruning failure, raised by the next call
+        self._error: SaveHandle | None = None  # a pruning failure, raised by the next call
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory.display!r}, {self.policy})"
@@ -145,9 +145,12 @@ class CheckpointManager:
         step = trainer.train_step_info.step if step is None else step
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if step > MAX_STEP:
+            raise ValueError(f"step must be at most {MAX_STEP} (18 digits: the names of the checkpoints), got {step}")
         metrics = check_metrics(metrics)
         trainer.wait_for_checkpoint()  # the previous save (and its pruning) first; raises its error
         self._raise_pending()
+        self._refuse_lower_step(step)
         rank0 = _rank(trainer) == 0
         self.directory.make_dirs()  # on every rank: each checks its folder before a distributed save
         if rank0:
@@ -173,10 +176,28 @@ class CheckpointManager:
         return handle
 
     def wait(self) -> None:
-        """Block until the last save (and its pruning) is finished; raise its error."""
+        """Block until the last save (and its pruning) is finished; raise its error (once: an error
+        already raised by an earlier call is not raised again)."""
         if self._handle is not None:
-            self._handle.wait()
+            self._handle.wait_unreported()
         self._raise_pending()
+
+    def _refuse_lower_step(self, step: int) -> None:
+        """A save below the newest checkpoint would be pruned as old (or hidden by it from :meth:`restore`).
+
+        Only the manager's own checkpoints count (listed by the index and present: a foreign file named like
+        one, or a save that never completed, does not). Checked on every rank (all see the directory and
+        its index), so that all refuse together.
+        """
+        newer = [s for s in scan(self.directory.list_names()) if s > step]
+        newer = [s for s in newer if s in read_index(self._index)] if newer else []
+        if newer:
+            raise ValueError(
+                f"cannot save step {step} in {self.directory.display}: it already holds checkpoint step "
+                f"{max(newer)}, and restore() loads the newest step (the keep rules would also delete step "
+                f"{step} as older). After a rollback or a restarted step counter, save into a new directory or "
+                "delete the newer checkpoints first"
+            )
 
     # ------------------------------------------------------------------ restoring
     def restore(self, trainer: Checkpointable, step: int | None = None) -> RestoredCheckpoint | None:
@@ -240,14 +261,17 @@ class CheckpointManager:
                 self._in_flight.discard(step)
                 if not handle.failed():
                     self._prune(step)
-        except Exception as exc:  # kept for the next call: never lost
-            self._error = exc
+        except Exception as exc:  # kept for the next call; printed at exit if no call comes
+            self._error = SaveHandle(
+                str(step), f"the pruning of {self.directory.display} after the save of step {step}"
+            )
+            self._error._finish(None, exc)
 
     def _prune(self, step: int) -> None:
         entries = self._load_entries()
         present = scan(self.directory.list_names())
         complete = {s for s in entries if s in present and (s == step or _complete(self.directory.child(present[s])))}
-        kept = self.policy.kept((s, entries[s].metrics) for s in complete)
+        kept = self.policy.kept((s, entries[s].metrics) for s in complete) | {step}  # never the save just made
         unfinished = [s for s in entries if s not in complete and s != step and s not in self._in_flight]
         for s in sorted(complete - kept) + unfinished:
             remove_checkpoint(self.directory, s)
@@ -257,7 +281,7 @@ class CheckpointManager:
     def _raise_pending(self) -> None:
         error, self._error = self._error, None
         if error is not None:
-            raise error
+            error.wait_unreported()
 
 
 def remove_checkpoint(directory: Location, step: int) -> None:

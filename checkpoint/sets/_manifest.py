@@ -36,6 +36,7 @@ __all__ = [
     "file_crc32",
     "is_manifest",
     "manifest_bytes",
+    "manifest_checksum",
     "manifest_path",
     "rank_checkpoint_path",
     "rank_file_name",
@@ -193,8 +194,12 @@ def read_manifest(path: PathLike) -> Manifest:
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: no such manifest file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such manifest file (removed while it was read)") from None
+    try:
+        data = json.loads(text.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # invalid JSON or UTF-8, too deep, an int of > 4300 digits
         raise CheckpointFormatError(f"{path} is not a checkpoint manifest (invalid JSON: {exc})") from None
     fmt = data.get(S.MANIFEST_FORMAT_KEY) if isinstance(data, Mapping) else None
     if fmt != S.MANIFEST_FORMAT_NAME:
@@ -204,9 +209,13 @@ def read_manifest(path: PathLike) -> Manifest:
     version = data.get(S.MANIFEST_FORMAT_VERSION_KEY)
     if _is_int(version) and version > S.MANIFEST_FORMAT_VERSION:
         raise CheckpointVersionError(f"{path}: manifest version {version} is newer than {S.MANIFEST_FORMAT_VERSION}")
-    problems = _problems(data) or ([] if version == S.MANIFEST_FORMAT_VERSION else [f"bad version {version!r}"])
+    fields = {k: v for k, v in data.items() if k != S.MANIFEST_CHECKSUM_KEY or version == 1}
+    problems = _problems(fields) or ([] if version in (1, S.MANIFEST_FORMAT_VERSION) else [f"bad version {version!r}"])
     if problems:
         raise CheckpointFormatError(f"{path}: invalid manifest: " + "; ".join(problems))
+    if version == S.MANIFEST_FORMAT_VERSION:  # a structurally valid manifest whose values were edited
+        _check_checksum(path, data)
+    data = fields
     entries = sorted(
         (ManifestEntry(**{k: e[k] for k in S.MANIFEST_FILE_KEYS}) for e in data["files"]), key=lambda e: e.rank
     )
@@ -219,6 +228,19 @@ def read_manifest(path: PathLike) -> Manifest:
     )
 
 
+def _check_checksum(path: Path, data: Mapping[str, Any]) -> None:
+    """Version 2 manifests carry a CRC-32 of every other field: any edit (the step, a size) is damage."""
+    stored = data.get(S.MANIFEST_CHECKSUM_KEY)
+    if not _is_int(stored) or stored > 0xFFFFFFFF:
+        raise CheckpointCorruptError(
+            f"{path}: manifest field '{S.MANIFEST_CHECKSUM_KEY}' is {stored!r}, expected a CRC-32"
+        )
+    if (actual := manifest_checksum(data)) != stored:
+        raise CheckpointCorruptError(
+            f"{path}: manifest checksum mismatch ({actual:#010x} != {stored:#010x}): a manifest field was changed"
+        )
+
+
 def check_manifest(path: PathLike, *, checksums: bool = True) -> Manifest:
     """Read a manifest and verify that every rank file exists with its size (and CRC-32, if ``checksums``).
 
@@ -228,12 +250,18 @@ def check_manifest(path: PathLike, *, checksums: bool = True) -> Manifest:
     problems = []
     for entry, file in zip(manifest.files, manifest.rank_paths(), strict=True):
         where = f"rank {entry.rank} file {file}"
-        if not file.is_file():
+        try:
+            if not file.is_file():
+                problems.append(f"{where} is missing")
+            elif (size := file.stat().st_size) != entry.size:
+                problems.append(f"{where} has {size} bytes, the manifest says {entry.size}")
+            elif checksums and (crc := file_crc32(file)) != entry.crc32:
+                stored = f"{entry.crc32:#010x}"
+                problems.append(f"{where}: CRC-32 {crc:#010x} != {stored} in the manifest (the file changed)")
+        except FileNotFoundError:  # removed since is_file()
             problems.append(f"{where} is missing")
-        elif (size := file.stat().st_size) != entry.size:
-            problems.append(f"{where} has {size} bytes, the manifest says {entry.size}")
-        elif checksums and (crc := file_crc32(file)) != entry.crc32:
-            problems.append(f"{where}: CRC-32 {crc:#010x} != {entry.crc32:#010x} in the manifest (the file changed)")
+    if problems and not manifest.path.exists():  # pruned (manifest first, then its files) while we checked
+        raise CheckpointNotFoundError(f"{manifest.path}: the checkpoint set was removed while it was checked")
     if problems:
         raise CheckpointCorruptError(
             f"{manifest.path}: the checkpoint set is incomplete or damaged:\n  - " + "\n  - ".join(problems)
@@ -246,6 +274,8 @@ def is_manifest(path: PathLike) -> bool:
     path = Path(os.fspath(path))
     if path.name.endswith(S.MANIFEST_SUFFIX):
         return True
+    if not path.is_file():  # a FIFO would block the read below
+        return False
     try:
         with open(path, "rb") as fh:
             return fh.read(64).lstrip().startswith(b"{")
@@ -253,12 +283,20 @@ def is_manifest(path: PathLike) -> bool:
         return False
 
 
+def manifest_checksum(doc: Mapping[str, Any]) -> int:
+    """CRC-32 of every field of a manifest (its canonical JSON without the checksum field)."""
+    fields = {k: v for k, v in doc.items() if k != S.MANIFEST_CHECKSUM_KEY}
+    return zlib.crc32(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
 def manifest_bytes(manifest: Manifest) -> bytes:
     """The JSON text of ``manifest``, after the same validation readers apply (ValueError listing problems)."""
-    problems = _problems(manifest.to_json())
+    doc = manifest.to_json()
+    problems = _problems(doc)
     if problems:
         raise ValueError(f"invalid manifest for {manifest.path}: " + "; ".join(problems))
-    return (json.dumps(manifest.to_json(), indent=1) + "\n").encode("utf-8")
+    doc[S.MANIFEST_CHECKSUM_KEY] = manifest_checksum(doc)
+    return (json.dumps(doc, indent=1) + "\n").encode("utf-8")
 
 
 def write_manifest(

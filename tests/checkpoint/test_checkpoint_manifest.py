@@ -36,7 +36,7 @@ def saved(tmp_path):
 def test_manifest_lists_every_file_with_size_and_crc(saved):
     _, paths, manifest = saved
     data = json.loads(manifest.path.read_text())
-    assert data["format"] == "ort_trainer.checkpoint.manifest" and data["format_version"] == 1
+    assert data["format"] == "ort_trainer.checkpoint.manifest" and data["format_version"] == 2
     assert (data["run_id"], data["world_size"], data["step"]) == ("run-1", 3, 8)
     assert [(f["rank"], f["name"], f["size"]) for f in data["files"]] == [
         (r, p.name, p.stat().st_size) for r, p in enumerate(paths)
@@ -101,8 +101,8 @@ def test_invalid_manifests_are_refused_with_every_problem(saved):
     _rewrite(path, lambda d: d["files"].__setitem__(2, {**d["files"][1], "name": "x.ortcp"}))
     with pytest.raises(C.CheckpointFormatError, match=r"ranks listed more than once: \[1\]; ranks missing: \[2\]"):
         C.read_manifest(path)
-    _rewrite(path, lambda d: d.update(format_version=2))
-    with pytest.raises(C.CheckpointVersionError, match="manifest version 2 is newer than 1"):
+    _rewrite(path, lambda d: d.update(format_version=3))
+    with pytest.raises(C.CheckpointVersionError, match="manifest version 3 is newer than 2"):
         C.read_manifest(path)
     _rewrite(path, lambda d: d.update(format="something else"))
     with pytest.raises(C.CheckpointFormatError, match="'format' is 'something else'"):

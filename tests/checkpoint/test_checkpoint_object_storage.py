@@ -216,3 +216,74 @@ def test_distributed_async_set_on_s3_replaces_the_old_set_and_aggregates(s3, tmp
     fresh.load_checkpoint(f"{url}.manifest.json")  # a single process loads the set straight from S3
     fresh.train_step(*mlp_batches(1, batch=12)[0])
     assert fresh.train_step_info.step == 9
+
+
+# ---------------------------------------------------------------- faults (issue 24)
+def test_glob_characters_in_an_s3_url_save_at_that_exact_key(s3):
+    fs, bucket = s3
+    run = f"{bucket}/{uuid.uuid4().hex}/run[1]?*"
+    trainer = mlp_trainer()
+    trainer.train_step(*BATCHES[0])
+    trainer.save_checkpoint(f"{run}/ck.ortcp")
+    key = f"{run.removeprefix('s3://')}/ck.ortcp"
+    assert fs.isfile(key), fs.find(run.removeprefix("s3://").rsplit("/", 1)[0])
+    manager = checkpoint.CheckpointManager(run, keep_last=1)
+    manager.save(trainer, 1)
+    manager.save(trainer, 2)
+    assert manager.restore(mlp_trainer()).step == 2
+
+
+def test_overwrite_false_on_s3_is_enforced_by_the_store_against_a_concurrent_writer(s3, monkeypatch):
+    """Two writers both see no object, then both upload: only the first may succeed (S3 If-None-Match)."""
+    fs, bucket = s3
+    url = f"{bucket}/{uuid.uuid4().hex}/ck.ortcp"
+    first, second = mlp_trainer(), mlp_trainer()
+    first.train_step(*BATCHES[0])
+    # every existence check (at the call, before the upload) ran before the other writer's upload finished
+    monkeypatch.setattr(checkpoint.io.RemoteLocation, "exists", lambda self: False)
+    first.save_checkpoint(url)
+    with pytest.raises(checkpoint.CheckpointExistsError, match="already exists"):
+        second.save_checkpoint(url)
+    fresh = mlp_trainer()
+    fresh.load_checkpoint(url)
+    assert _same_state(fresh, first)
+    assert [k for k in fs.ls(url.removeprefix("s3://").rsplit("/", 1)[0], refresh=True) if ".tmp-" in k] == []
+
+
+@pytest.mark.processes
+def test_a_killed_remote_save_leaves_nothing_that_the_next_save_does_not_remove(s3, tmp_path, monkeypatch):
+    """Killed between the upload to the temporary key and the move: a full-size spool file in TMPDIR and a
+    temporary object in the bucket remain; the next remote save (another process) removes both."""
+    fs, bucket = s3
+    folder = f"{bucket}/{uuid.uuid4().hex}"
+    spool_root = tmp_path / "tmp"
+    spool_root.mkdir()
+    script = f"""
+        import os, signal, torch
+        import s3fs
+        from ort_trainer import ORTTrainer, optim
+        from tests.models import MLP, MLP_DESC
+        real_put = s3fs.S3FileSystem.put_file
+        def put_then_die(self, *args, **kwargs):
+            real_put(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        s3fs.S3FileSystem.put_file = put_then_die
+        trainer = ORTTrainer(MLP(hidden=256), MLP_DESC, optim.AdamConfig(lr=0.01),
+                             loss_fn=torch.nn.functional.cross_entropy)
+        trainer.save_checkpoint("{folder}/ck.ortcp", overwrite=True)
+    """
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(spool_root)}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert result.returncode == -9, result.stderr[-3000:]
+    key_folder = folder.removeprefix("s3://")
+    assert [k for k in fs.ls(key_folder, refresh=True) if ".tmp-" in k]  # the killed save's temporary object
+    assert list(spool_root.iterdir())  # and its spool folder
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(spool_root))
+    trainer = mlp_trainer()
+    trainer.save_checkpoint(f"{folder}/ck.ortcp", overwrite=True)
+    assert [k.rsplit("/", 1)[-1] for k in fs.ls(key_folder, refresh=True)] == ["ck.ortcp"]
+    assert list(spool_root.iterdir()) == []
