@@ -5,7 +5,22 @@
 - ``_native_logs``: silence onnxruntime's native INFO chatter around calls that would print it.
 """
 
-from ._input_checks import check_input_tensors, check_labels, check_onnx_io, explain_run_errors
+from ._input_checks import (
+    check_input_tensors,
+    check_labels,
+    check_onnx_io,
+    describe_tensor,
+    explain_run_errors,
+    label_range_message,
+)
 from ._native_logs import quiet_native_info_logs
 
-__all__ = ["check_input_tensors", "check_labels", "check_onnx_io", "explain_run_errors", "quiet_native_info_logs"]
+__all__ = [
+    "check_input_tensors",
+    "check_labels",
+    "check_onnx_io",
+    "describe_tensor",
+    "explain_run_errors",
+    "label_range_message",
+    "quiet_native_info_logs",
+]

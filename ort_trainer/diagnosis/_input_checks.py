@@ -2,7 +2,7 @@
 
 Three moments: before a step (`check_input_tensors`: meta tensors, empty batches; `check_labels`: class
 indices against the number of classes when the graph tells it), when tracing the first step fails
-(`explain_trace_failure`: re-runs the model and the loss eagerly to find which input is at fault), and
+(`graph/_trace_errors.py` re-runs the model and the loss eagerly and names the input at fault), and
 when ONNX Runtime fails on an index input (`explain_run_failure`). Each message names the input, what
 was expected and what came.
 """
@@ -10,19 +10,11 @@ was expected and what came.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
 import torch
-
-from ort_trainer.graph._forward import (
-    OutputContractError,
-    OutputContractTypeError,
-    bind_forward_inputs,
-    model_input_names,
-    module_for_export,
-)
 
 from ..config.model_desc import ModelDescription
 
@@ -31,19 +23,20 @@ __all__ = [
     "check_input_tensors",
     "check_labels",
     "check_onnx_io",
+    "describe_tensor",
     "explain_run_errors",
     "explain_run_failure",
-    "explain_trace_failure",
     "find_label_inputs",
+    "label_range_message",
 ]
 
-_TORCH_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)  # what torch raises on bad inputs
 _LOSS_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 _PASS_THROUGH_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast", "Transpose")
 _INDEX_ERROR_WORDS = ("indices", "index", "out of bound", "out of range")
 
 
-def _describe(tensor: torch.Tensor) -> str:
+def describe_tensor(tensor: torch.Tensor) -> str:
+    """``float32 [2, 3]``: how messages show a tensor."""
     return f"{tensor.dtype} {list(tensor.shape)}"
 
 
@@ -124,6 +117,12 @@ def check_labels(specs: Sequence[LabelSpec], feeds: Mapping[str, torch.Tensor]) 
             raise ValueError(_range_message(spec.name, bad, spec.classes, spec.ignore_index))
 
 
+def label_range_message(name: str, label: torch.Tensor, classes: int, ignore_index: int | None) -> str | None:
+    """The message for class indices of ``label`` outside ``[0, classes)``; None when all are in range."""
+    bad = _out_of_range(label, classes, ignore_index)
+    return _range_message(name, bad, classes, ignore_index) if bad else None
+
+
 def _out_of_range(label: torch.Tensor, classes: int, ignore_index: int | None) -> list[int]:
     wrong = (label < 0) | (label >= classes)
     if ignore_index is not None:
@@ -195,93 +194,6 @@ def _explain_shape_error(
             "the graph (e.g. the sequence length inside nn.MultiheadAttention); keep that dimension fixed "
             f"(pad your inputs) or declare it as an int in model_desc. ONNX Runtime said: {error}"
         ) from error
-
-
-
-# ---------------------------------------------------------------------------------------------- first step
-def explain_trace_failure(
-    model: torch.nn.Module,
-    loss_fn: Callable | None,
-    desc: ModelDescription,
-    inputs: Sequence[torch.Tensor],
-    error: Exception,
-) -> Exception | None:
-    """Why tracing the first step failed, as an error naming the input at fault; None: not an input problem.
-
-    The model and the loss run again eagerly (on a copy, or on the restored module) to tell a model
-    that rejects an input from a loss that rejects the label from an exporter problem.
-    """
-    if isinstance(error, OutputContractError | OutputContractTypeError) or not isinstance(error, _TORCH_ERRORS):
-        return None
-    names = desc.input_names
-    dtype_problem = _float_dtype_mismatch(model, names, inputs)
-    if dtype_problem is not None:
-        return TypeError(f"{dtype_problem} (the first step failed with: {error})")
-    model_names = model_input_names(desc, loss_fn)
-    with module_for_export(model, warn=False) as module, torch.no_grad():
-        binding = bind_forward_inputs(module, model_names)
-        module.train()
-        try:
-            preds = binding.call(module, inputs[: len(model_names)])
-        except _TORCH_ERRORS as eager:
-            listed = ", ".join(f"{n} ({_describe(t)})" for n, t in zip(model_names, inputs, strict=False))
-            return ValueError(f"{binding.where}() failed on the inputs {listed}: {eager}")
-        if loss_fn is None:
-            return None
-        try:
-            loss_fn(preds, inputs[-1])
-        except _TORCH_ERRORS as eager:
-            return _explain_loss_failure(loss_fn, preds, names[-1], inputs[-1], eager)
-    return None
-
-
-def _float_dtype_mismatch(model: torch.nn.Module, names: Sequence[str], inputs: Sequence[torch.Tensor]) -> str | None:
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if len(dtypes) != 1:
-        return None
-    (expected,) = dtypes
-    wrong = [
-        f"input {name!r} has dtype {tensor.dtype}, but the model's parameters are {expected}"
-        for name, tensor in zip(names, inputs, strict=True)
-        if tensor.is_floating_point() and tensor.dtype != expected
-    ]
-    if not wrong:
-        return None
-    return "; ".join(wrong) + f": pass floating-point inputs as {expected} (e.g. tensor.to({expected}))"
-
-
-def _classification_loss(loss_fn: Callable) -> tuple[str, int] | None:
-    """(name, ignore_index) of PyTorch's class-index losses; None for any other loss_fn."""
-    functional = {torch.nn.functional.cross_entropy: "cross_entropy", torch.nn.functional.nll_loss: "nll_loss"}
-    with contextlib.suppress(TypeError):  # an unhashable callable is no function of ours
-        if loss_fn in functional:
-            return functional[loss_fn], -100
-    if isinstance(loss_fn, torch.nn.CrossEntropyLoss | torch.nn.NLLLoss):
-        return type(loss_fn).__name__, int(loss_fn.ignore_index)
-    return None
-
-
-def _explain_loss_failure(loss_fn: Callable, preds, name: str, label: torch.Tensor, error: Exception) -> Exception:
-    known = _classification_loss(loss_fn)
-    if known is not None and isinstance(preds, torch.Tensor) and preds.dim() >= 1:
-        loss_name, ignore_index = known
-        classes = preds.shape[1] if preds.dim() >= 2 else preds.shape[0]
-        if label.is_floating_point() and label.shape != preds.shape:
-            return TypeError(
-                f"input {name!r} has dtype {label.dtype} and shape {list(label.shape)}, but {loss_name} expects "
-                f"integer class indices (torch.int64) in [0, {classes - 1}], or float class probabilities of the "
-                f"prediction's shape {list(preds.shape)}"
-            )
-        if not label.is_floating_point():
-            bad = _out_of_range(label, classes, ignore_index)
-            if bad:
-                return ValueError(_range_message(name, bad, classes, ignore_index))
-    predicted = _describe(preds) if isinstance(preds, torch.Tensor) else type(preds).__name__
-    hint = " (a classification loss needs integer class indices, e.g. torch.int64)" if label.is_floating_point() else ""
-    return ValueError(
-        f"loss_fn failed on the model's prediction ({predicted}) and input {name!r} ({_describe(label)}){hint}: "
-        f"{error}"
-    )
 
 
 def check_onnx_io(model: onnx.ModelProto, desc: ModelDescription) -> None:

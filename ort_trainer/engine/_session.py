@@ -19,7 +19,7 @@ from onnxruntime.capi import _pybind_state as _C
 from onnxruntime.training import onnxblock
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from ort_trainer.diagnosis._native_logs import quiet_native_info_logs
+from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
 from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
 from ort_trainer.graph._weightless import shells_to_inputs

@@ -24,11 +24,11 @@ import onnx
 import torch
 
 from ort_trainer.config.model_desc import ModelDescription
-from ort_trainer.diagnosis._input_checks import explain_trace_failure
 from ort_trainer.graph._names import outer_module, plain_module
 
 from ._forward import ModelWithLoss, module_for_export
 from ._symbolics import register_symbolics
+from ._trace_errors import explain_trace_failure
 from ._unsupported import explain_unsupported_op
 from ._weightless import shell_initializer, strip_data
 

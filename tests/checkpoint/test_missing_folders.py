@@ -68,9 +68,9 @@ def test_a_folder_that_cannot_be_made_fails_at_the_call_naming_it(tmp_path):
 
 
 def test_set_writers_on_every_rank_create_their_folders_or_all_refuse(tmp_path):
-    results = save_on_thread_ranks(tmp_path / "shared" / "deep" / "s.ortcp", 1.0)
+    results = save_on_thread_ranks(tmp_path / "one_path" / "deep" / "s.ortcp", 1.0)
     assert not any(isinstance(r, BaseException) for r in results), results
-    state = checkpoint.aggregate_checkpoints(checkpoint.manifest_path(tmp_path / "shared" / "deep" / "s.ortcp"))
+    state = checkpoint.aggregate_checkpoints(checkpoint.manifest_path(tmp_path / "one_path" / "deep" / "s.ortcp"))
     assert state["train_step_info"]["step"] == 1
     results = save_on_thread_ranks([tmp_path / "r0" / "a.ortcp", tmp_path / "r1" / "b" / "a.ortcp"], 1.0)
     assert not any(isinstance(r, BaseException) for r in results), results
