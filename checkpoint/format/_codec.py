@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 
 from . import _schema as S
-from ._lazy_torch import torch
+from ._lazy_torch import is_tensor, torch
 
 __all__ = [
     "BITS_DTYPE_NAMES",
@@ -166,7 +166,7 @@ def _check_str(value: str, keypath: str) -> str:
 
 def encode_leaf(value: Any, keypath: str) -> Leaf:
     """Map a leaf value to its stored form; TypeError naming ``keypath`` for anything unsupported."""
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         return _encode_tensor(value, keypath)
     if isinstance(value, np.ndarray | np.generic):
         _check_numpy_dtype(value.dtype, keypath)
@@ -198,7 +198,7 @@ def encode_leaf(value: Any, keypath: str) -> Leaf:
 def leaf_array(leaf: Leaf) -> Any:
     """The payload as h5py writes it: tensors become zero-copy numpy views (bits for bfloat16)."""
     data = leaf.data
-    if isinstance(data, torch.Tensor):
+    if is_tensor(data):
         data = data.detach()
         if data.device.type != "cpu":
             data = data.cpu()  # one tensor at a time: the extra memory is bounded by the largest tensor

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CheckpointFormatError, CheckpointPickleError
 from . import _schema as S
 from ._codec import encode_leaf
-from ._lazy_torch import torch
+from ._lazy_torch import is_tensor, torch
 
 __all__ = ["decode_user_dict", "decode_user_value", "encode_user_dict", "encode_user_value"]
 
@@ -109,7 +109,7 @@ def _index(key: str) -> int:
 
 
 def _as_numpy(value: Any, where: str, source: str) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         return value.numpy()
     if isinstance(value, np.ndarray | np.generic):
         return np.asarray(value)

@@ -113,3 +113,20 @@ def test_convert_without_safetensors_names_the_extra(files, tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "install the 'safetensors' extra" in err, err
     assert 'pip install "ort_trainer[safetensors]"' in err and not (tmp_path / "a.safetensors").exists()
+
+
+def test_saving_a_numpy_tree_imports_no_torch(tmp_path):
+    """``checkpoint.save`` of numpy/python values never pays torch's import (a forked saver's first save
+    used to import it, seconds under load)."""
+    code = f"""
+import sys
+import numpy as np
+from ort_trainer import checkpoint
+path = {str(tmp_path / "t.ortcp")!r}
+checkpoint.save({{"w": np.ones(3, np.float32), "meta": {{"step": 1, "name": "x", "tags": [1, 2]}}}}, path)
+print("HEAVY=" + ",".join(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    line = next(line for line in run.stderr.splitlines() if line.startswith("HEAVY="))
+    assert line == "HEAVY=", line
