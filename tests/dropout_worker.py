@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from ort_trainer import ORTTrainer, checkpoint, optim
+from tests.hf_tiny import tiny_gpt2_config
 
 STEPS, SPLIT = 6, 3
 VOCAB = 64
@@ -31,15 +32,7 @@ class DropoutMLP(torch.nn.Module):
 
 
 def _gpt2():
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-    )  # resid/embd/attn dropout: GPT-2's default 0.1
+    config = tiny_gpt2_config(VOCAB, dropout=None)  # resid/embd/attn dropout: GPT-2's default 0.1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return transformers.GPT2LMHeadModel(config)

@@ -21,6 +21,14 @@ HF_CLASSIFIER_DESC = {
 }
 
 
+def tiny_gpt2_config(vocab: int = 64, dropout: float | None = 0.0) -> transformers.GPT2Config:
+    """2 layers, d 32, 2 heads, 16 positions; ``dropout=None`` keeps GPT-2's default 0.1 everywhere."""
+    rates = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
+    return transformers.GPT2Config(
+        vocab_size=vocab, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0, **rates
+    )
+
+
 class GPT2(torch.nn.Module):
     def __init__(self, layers: int = 1, d_model: int = 16, vocab: int = 50, positions: int = 16):
         super().__init__()

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from ort_trainer import ORTTrainer, optim
+from tests.hf_tiny import tiny_gpt2_config
 
 STEPS, SPLIT = 4, 2
 # eps 1e-5: Adam divides by sqrt(v) + eps, so with eps 1e-8 a parameter whose gradient is rounding noise
@@ -30,18 +31,7 @@ def _tokens(g, *shape):
 
 
 def gpt2():
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = tiny_gpt2_config(VOCAB)
     desc = {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])], "outputs": [("loss", [], True)]}
 
     def batch(g):

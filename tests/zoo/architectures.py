@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from tests.hf_tiny import tiny_gpt2_config
+
 transformers.logging.set_verbosity_error()
 
 VOCAB = 64
@@ -184,18 +186,7 @@ ARCHITECTURES: dict[str, Callable[[], Architecture]] = {
     "gpt2": lambda: Architecture(
         _make(
             transformers.GPT2LMHeadModel,
-            transformers.GPT2Config(
-                vocab_size=VOCAB,
-                n_positions=16,
-                n_embd=32,
-                n_layer=2,
-                n_head=2,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                bos_token_id=0,
-                eos_token_id=0,
-            ),  # fmt: skip
+            tiny_gpt2_config(VOCAB),
         ),
         LM_INPUTS,
         _lm,
