@@ -264,16 +264,23 @@ def compiled_step(spec: ModelSpec, model: torch.nn.Module) -> Step:
 
 
 def ort_trainer_step(
-    spec: ModelSpec, model: torch.nn.Module, options: ort.SessionOptions, rewrites: bool, first: tuple
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    options: ort.SessionOptions,
+    rewrites: bool,
+    first: tuple,
+    utils: dict | None = None,
 ) -> tuple[Step, ORTTrainer]:
-    """ORTTrainer (Adam mode 0 == AdamW); the engine is built by running one step on ``first``."""
+    """ORTTrainer (Adam mode 0 == AdamW); the engine is built by running one step on ``first``.
+
+    ``utils``: extra ``options["utils"]`` entries (e.g. ``{"shrink_memory_arena": True}``)."""
     config = optim.AdamConfig(lr=LR, alpha=BETAS[0], beta=BETAS[1], lambda_coef=WEIGHT_DECAY, epsilon=EPS)
     trainer = ORTTrainer(
         copy.deepcopy(model),
         spec.desc,
         config,
         loss_fn=spec.loss_fn,
-        options={"utils": {"grad_norm_clip": False}, "session_options": options},
+        options={"utils": {"grad_norm_clip": False, **(utils or {})}, "session_options": options},
     )
     with graph_rewrites(rewrites):
         trainer.train_step(*first)

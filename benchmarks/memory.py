@@ -23,8 +23,6 @@ import argparse
 import gc
 import json
 import logging
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -55,30 +53,11 @@ def parameters(n_layer: int, n_embd: int) -> int:
 
 
 def host_stamp() -> str:
-    try:
-        from benchmarks._common import host_stamp as common_stamp  # noqa: PLC0415 - optional shared helper
-    except ImportError:
-        common_stamp = None
-    if common_stamp is not None:
-        return common_stamp()
-    import onnxruntime
-    import torch
+    """`benchmarks._common.host_stamp`, imported here only: a child imports nothing it does not measure."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks._common import host_stamp as common_stamp  # noqa: PLC0415 - parent process only
 
-    flags = set()
-    model = platform.processor() or "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    isa = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags)
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (
-        f"host: {model}; ISA {isa}; cores {os.cpu_count()}; load average {load}; "
-        f"python {platform.python_version()}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}\n"
-        f"command: {' '.join([Path(sys.executable).name, *sys.argv])}"
-    )
+    return common_stamp()
 
 
 # ------------------------------------------------------------------------------------------ child
@@ -152,8 +131,8 @@ def child(args) -> dict:
         logging.getLogger("ort_trainer").addHandler(phases)
         logging.getLogger("ort_trainer").setLevel(logging.INFO)
         options = {"utils": {"grad_norm_clip": False}}
-        if args.share:
-            options["utils"]["share_module_parameters"] = True
+        if args.share != "default":
+            options["utils"]["share_module_parameters"] = args.share == "on"
         if args.arena == "shrink":
             options["utils"]["shrink_memory_arena"] = True
         if args.arena == "off":
@@ -206,10 +185,16 @@ def _shape(size: str) -> tuple[int, int, int]:
 def run(args, contender: str, size: str) -> dict:
     command = [sys.executable, __file__, "--child", contender, "--sizes", size, "--steps", str(args.steps)]
     command += ["--threads", str(args.threads), "--batch", str(args.batch), "--seq", str(args.seq)]
-    command += ["--attn", args.attn] + (["--share"] if args.share else [])
+    command += ["--attn", args.attn, "--share", args.share]
     command += ["--keep-module"] if args.keep_module else []
     command += ["--arena", args.arena]
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    from benchmarks._cgroup import memory_limit  # noqa: PLC0415 - host_stamp put benchmarks/ on the path
+
+    with memory_limit(args.limit_gib) as enter:
+        out = subprocess.run(command, capture_output=True, text=True, check=False, preexec_fn=enter)
+    if args.limit_gib and out.returncode in (-9, 137):  # the cgroup's OOM killer: this size does not fit
+        layers, width, _ = _shape(size)
+        return {"contender": contender, "size": size, "parameters": parameters(layers, width), "oom": True}
     if out.returncode != 0:
         raise RuntimeError(f"{contender} {size} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -260,7 +245,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--attn", default="eager", help="GPT-2 attn_implementation (eager or sdpa)")
-    parser.add_argument("--share", action="store_true", help="ORTTrainer: utils.share_module_parameters=True")
+    parser.add_argument(
+        "--share", default="default", choices=("default", "on", "off"), help="ORTTrainer: utils.share_module_parameters"
+    )
     parser.add_argument(
         "--arena", default="default", help="ORTTrainer: 'shrink' (utils.shrink_memory_arena) or 'off' (no CPU arena)"
     )
@@ -268,6 +255,11 @@ def parse_args(argv=None):
     parser.add_argument("--phases", action="store_true", help="print ORTTrainer's logged build phases")
     parser.add_argument("--fit", action="store_true", help="fit RSS vs parameters, extrapolate to --budget-gib")
     parser.add_argument("--budget-gib", type=float, default=24.0)
+    parser.add_argument(
+        "--limit-gib",
+        type=float,
+        help="run each child in a memory cgroup of this size: a run that does not fit is reported, not fatal",
+    )
     parser.add_argument("--json", help="also write the results (list of dicts) to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -288,6 +280,9 @@ def main(argv=None) -> int:
         for contender in args.contenders.split(","):
             r = run(args, contender, size)
             results.append(r)
+            if r.get("oom"):
+                print(f"| {size} | {r['parameters'] / 1e6:.0f}M | {contender} | > {args.limit_gib:g} (killed) | | | |")
+                continue
             print(
                 f"| {size} | {r['parameters'] / 1e6:.0f}M | {contender} | {r['peak_gib']:.2f} | {r['steady_gib']:.2f} "
                 f"| {r['first_step_s']:.1f} | {r['step_s']:.2f} |",
@@ -298,7 +293,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.fit:
-        print("\n" + fit(results, args.budget_gib))
+        print("\n" + fit([r for r in results if not r.get("oom")], args.budget_gib))
     return 0
 
 

@@ -49,7 +49,13 @@ if __package__ in (None, ""):
 from benchmarks._common import BareOrt, compiled_step, host_stamp, ort_trainer_step, session_options, torch_step
 from benchmarks._hf import SCALE_MODELS, scale_spec
 
-CONTENDERS = ("pytorch", "pytorch_sdpa", "compile", "ort_trainer", "ort_api")
+CONTENDERS = ("pytorch", "pytorch_sdpa", "compile", "ort_trainer", "ort_trainer_shrink", "ort_trainer_keep", "ort_api")
+# ORTTrainer variants: its defaults, and each memory setting forced on / off
+ORT_TRAINER_UTILS = {
+    "ort_trainer": {},
+    "ort_trainer_shrink": {"shrink_memory_arena": True},
+    "ort_trainer_keep": {"shrink_memory_arena": False, "share_module_parameters": False},
+}
 DEFAULT_CONTENDERS = "pytorch,pytorch_sdpa,ort_trainer"
 SECTIONS = ("speed", "memory", "build")
 
@@ -89,9 +95,9 @@ def build(name: str, args) -> tuple:
         step = torch_step(spec, model)
     elif name == "compile":
         step = compiled_step(spec, model)
-    elif name == "ort_trainer":
+    elif name in ORT_TRAINER_UTILS:
         options = None if args.threads is None else session_options(args.threads, spinning=False)
-        step, keep = ort_trainer_step(spec, model, options, True, first)
+        step, keep = ort_trainer_step(spec, model, options, True, first, ORT_TRAINER_UTILS[name])
     else:
         keep = BareOrt(
             spec, model, session_options(args.threads or torch.get_num_threads(), spinning=False), True, first

@@ -251,9 +251,10 @@ class GraphTransformerOptions:
 class UtilsOptions:
     """``frozen_weights`` (a tuple of parameter names) are not trained.
 
-    ``share_module_parameters`` (ours, default False): the torch module's float parameters and buffers
+    ``share_module_parameters`` (ours, default True): the torch module's float parameters and buffers
     become views of the trainer's buffers, so the weights are held once and the module shows the
-    trained values as training goes (docs/performance.md); by default the module is left as it was.
+    trained values as training goes, as a module trained by a torch optimizer does (docs/performance.md);
+    False leaves the module as it was (the legacy trainer's behaviour) at the price of a copy of the weights.
     ``shrink_memory_arena`` (ours, default False; CPU): ONNX Runtime's arena gives its free memory back
     after every run, so activations are not kept resident between steps (costs page faults per step).
     """
@@ -263,7 +264,7 @@ class UtilsOptions:
     grad_norm_clip: bool = True
     memory_efficient_gradient: bool = False
     run_symbolic_shape_infer: bool = False
-    share_module_parameters: bool = False
+    share_module_parameters: bool = True
     shrink_memory_arena: bool = False
 
     def __post_init__(self) -> None:

@@ -67,7 +67,8 @@ def test_the_module_is_untouched_and_the_trained_weights_match_torch():
     model = _lm()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     reference = _lm()
-    trainer = ORTTrainer(model, LM_DESC, optim.SGDConfig(lr=0.1), loss_fn=lm_loss)
+    legacy = {"utils": {"share_module_parameters": False}}  # the legacy behaviour: the module is left as it was
+    trainer = ORTTrainer(model, LM_DESC, optim.SGDConfig(lr=0.1), loss_fn=lm_loss, options=legacy)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for tokens, label in lm_batches(2, vocab=500):
         got = trainer.train_step(tokens, label)
@@ -127,14 +128,15 @@ def test_debug_graph_files_and_extra_postprocess_see_the_weights(tmp_path):
         "_internal_use": {"extra_postprocess": postprocess},
     }
     model = MLP()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=options)
     x, label = mlp_batches(1)[0]
     trainer.train_step(x, label)
-    for name, value in model.state_dict().items():  # the values at construction (no step had run yet)
+    for name, value in initial.items():  # the values at construction (no step had run yet)
         np.testing.assert_array_equal(seen[name], value.numpy())
     saved = onnx.load(str(path))
     saved_values = {i.name: numpy_helper.to_array(i) for i in saved.graph.initializer}
-    for name, value in model.state_dict().items():
+    for name, value in initial.items():
         np.testing.assert_array_equal(saved_values[name], value.numpy())
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # a complete, runnable model
     (loss,) = [o for o in session.run(["loss"], {"x": x.numpy(), "label": label.numpy()})]

@@ -56,7 +56,8 @@ def test_tied_weights_stay_tied_and_loads_reach_the_module():
 def test_without_the_option_the_module_keeps_its_own_storage():
     model = MLP()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    keep = {"utils": {"share_module_parameters": False}}
+    trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=keep)
     trainer.train_step(*mlp_batches(1)[0])
     assert not any(_inside(p, trainer._trainer_state.store.params) for p in model.parameters())
     for name, value in model.state_dict().items():
@@ -76,3 +77,44 @@ def test_shrinking_the_arena_keeps_the_numbers():
     key = "memory.enable_memory_arena_shrinkage"
     assert lean._trainer_state.engine.session._run_options.get_run_config_entry(key) == "cpu:0"
     torch.testing.assert_close(lean.eval_step(*lm_batches(1)[0]), plain.eval_step(*lm_batches(1)[0]), atol=0, rtol=0)
+
+
+def test_by_default_the_module_is_trained_in_place_like_with_a_torch_optimizer():
+    torch.manual_seed(4)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    assert trainer.options.utils.share_module_parameters is True
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, label in mlp_batches(2):
+        trainer.train_step(x, label)
+        opt.zero_grad()
+        ce(reference(x), label).backward()
+        opt.step()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_hugging_face_module_trained_by_default_saves_and_reloads_with_save_pretrained(tmp_path):
+    import transformers
+
+    from tests.hf_tiny import HF_DESC, lm_batch, tiny_gpt2_config, token_loss
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids, attention_mask):
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    torch.manual_seed(5)
+    lm = transformers.GPT2LMHeadModel(tiny_gpt2_config())  # tied input/output embeddings
+    trainer = ORTTrainer(Wrapped(lm), HF_DESC, optim.AdamConfig(lr=1e-2), loss_fn=token_loss)
+    trainer.train_step(*lm_batch(vocab=64))
+    lm.save_pretrained(tmp_path)  # safetensors: the weights are disjoint views of one flat buffer
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    trained = {k.removeprefix("lm."): v for k, v in trainer.state_dict(pytorch_format=True).items()}
+    for name, value in reloaded.state_dict().items():
+        torch.testing.assert_close(value, trained[name], atol=0, rtol=0, msg=name)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()

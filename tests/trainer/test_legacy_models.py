@@ -33,7 +33,7 @@ def test_a_module_that_cannot_be_deep_copied_trains_and_is_left_as_it_was():
     reference.load_state_dict(model.state_dict())
     modes = [m.training for m in model.modules()]
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = sgd_trainer(model, CNN_DESC)
+    trainer = sgd_trainer(model, CNN_DESC, utils={"share_module_parameters": False})  # the module is left as it was
     x, label = cnn_batches(1)[0]
     with pytest.warns(UserWarning, match=r"LockedCNN cannot be deep-copied \(TypeError: cannot pickle"):
         loss = trainer.train_step(x, label)
@@ -41,6 +41,21 @@ def test_a_module_that_cannot_be_deep_copied_trains_and_is_left_as_it_was():
     assert [m.training for m in model.modules()] == modes
     for name, value in model.state_dict().items():  # BatchNorm statistics untouched by the tracing forward
         torch.testing.assert_close(value, buffers[name], rtol=0, atol=0)
+
+
+def test_a_module_that_cannot_be_deep_copied_shows_one_training_forward_in_its_statistics():
+    torch.manual_seed(0)
+    model = LockedCNN()  # default: the module holds the trainer's weights and statistics
+    reference = CNN()
+    reference.load_state_dict(model.state_dict())
+    x, label = cnn_batches(1)[0]
+    trainer = sgd_trainer(model, CNN_DESC)
+    with pytest.warns(UserWarning, match=r"LockedCNN cannot be deep-copied"):
+        trainer.train_step(x, label)
+    reference.train()(x)  # one training forward: the statistics move once (the tracing forward must not count)
+    for name, value in reference.state_dict().items():
+        if "running" in name:
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 class IgnoresY(torch.nn.Module):

@@ -59,7 +59,7 @@ DEFAULTS = {
         "grad_norm_clip": True,
         "memory_efficient_gradient": False,
         "run_symbolic_shape_infer": False,
-        "share_module_parameters": False,
+        "share_module_parameters": True,
         "shrink_memory_arena": False,
     },
     "debug": {
