@@ -28,6 +28,7 @@ import onnxruntime as ort
 import torch
 
 import ort_trainer.engine._build as _build
+from benchmarks._isa import isa_stamp, mkl_isa
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.config.model_desc import validate_model_desc
 from ort_trainer.diagnosis._native_logs import quiet_native_info_logs
@@ -46,6 +47,7 @@ LM_DESC = {"inputs": [("tokens", ["batch", "seq"]), ("label", ["batch", "seq"])]
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 _ISA_ENV = (
     "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+    "LD_PRELOAD", "GLIBC_TUNABLES",
 )  # fmt: skip
 _PACKAGES = ("torch", "onnxruntime-training", "onnx", "transformers", "numpy")
 
@@ -77,8 +79,9 @@ def host_stamp() -> str:
     """One block naming the host a benchmark table was measured on: print it above every table.
 
     CPU model, the ISA flags that decide which GEMM/element-wise kernels run (avx2, avx512f, avx512_bf16,
-    amx...), torch's chosen CPU capability, cores (and the affinity this process has), the 1/5/15-minute
-    load average, library versions, ISA/thread environment overrides, the date and the exact command.
+    amx...; under ``--isa avx2`` the emulated ISA, `benchmarks._isa`), the kernels torch and MKL chose,
+    cores (and the affinity this process has), the 1/5/15-minute load average, library versions, ISA/thread
+    environment overrides (LD_PRELOAD, GLIBC_TUNABLES included), the date and the exact command.
     """
     model, flags = _cpu_info()
     isa = " ".join(f for f in _ISA_FLAGS if f in flags) or "none of " + "/".join(_ISA_FLAGS)
@@ -90,7 +93,8 @@ def host_stamp() -> str:
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     return "\n".join(
         [
-            f"host: {model}; ISA {isa}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}",
+            f"host: {model}; {isa_stamp(isa)}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"MKL {mkl_isa()}",
             f"cores: {os.cpu_count()} ({affinity} usable); load average {load} (1/5/15 min) at {when}",
             f"versions: python {platform.python_version()}, {versions}; env overrides: {overrides}",
             f"command: {command}",

@@ -1,8 +1,7 @@
 """The matrix products of one training step, ONNX Runtime's MLAS against PyTorch's BLAS, shape by shape.
 
     python benchmarks/gemm_shapes.py --model gpt2-124m                 # 1 thread, CPU time, ~1 min
-    MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
-        python benchmarks/gemm_shapes.py --model gpt2-124m            # PyTorch held to AVX2 (MLAS cannot be)
+    python benchmarks/gemm_shapes.py --model gpt2-124m --isa avx2      # both libraries as on an AVX2 host
 
 Why: a training step of a real-size model is mostly GEMMs (GPT-2 124M: ~80% of ORTTrainer's kernel
 time, `profile_step.py`), and which library's GEMM is faster for each shape bounds what any graph
@@ -12,9 +11,9 @@ head, one ``Gemm`` node in its own ORT session is timed against ``torch.mm`` on 
 the same process, interleaved, by the thread's CPU time (robust to other processes on a loaded
 machine), median of --repeat.
 
-ONNX Runtime's MLAS picks its kernels from CPUID at load time (AVX-512F where the CPU has it); it has
-no switch to hold it to AVX2, so on an AVX-512 host only PyTorch can be restricted (environment
-variables above; the stamp prints them).
+ONNX Runtime's MLAS picks its kernels from CPUID at load time (AVX-512F where the CPU has it) and has
+no switch to hold it to AVX2: ``--isa avx2`` (`benchmarks/_isa.py`) masks CPUID for the whole process
+instead, so MLAS, MKL and ATen all take their AVX2 kernels (same cores otherwise; the stamp says so).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ if __package__ in (None, ""):
 
 from benchmarks._common import host_stamp
 from benchmarks._hf import SCALE_MODELS, SEQ
+from benchmarks._isa import add_isa_argument, use_isa
 
 
 def model_gemms(name: str, batch: int | None) -> list[tuple[str, int, int, int, int, bool]]:
@@ -112,7 +112,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="gpt2-124m", choices=sorted(SCALE_MODELS))
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=5)
+    add_isa_argument(parser)
     args = parser.parse_args(argv)
+    use_isa(args.isa)
     torch.set_num_threads(1)
     print(host_stamp())
     print(f"\n1 thread, CPU ms per product (median of {args.repeat}, interleaved); GFLOP/s in parentheses\n")

@@ -4,6 +4,7 @@
     python benchmarks/scale.py --model gpt2-small --threads 1 --rounds 7 --steps 3
     python benchmarks/scale.py --model bert-base --sections speed --contenders pytorch,pytorch_sdpa,ort_trainer
     python benchmarks/scale.py --model gpt2-124m --contenders pytorch,pytorch_sdpa,compile,ort_trainer,ort_api
+    python benchmarks/scale.py --model gpt2-124m --threads 1 --isa avx2   # as on an AVX2 host (_isa.py)
 
 Models (`benchmarks/_hf.py` ``SCALE_MODELS``, built from config objects, dropout 0, sequence 128):
 gpt2-124m (GPT2Config defaults, batch 2), gpt2-350m (GPT-2 medium, batch 2), bert-base (BertConfig
@@ -28,6 +29,8 @@ Sections (--sections, default all three):
 * build: (from the memory children) seconds of the first step (ORTTrainer: export + gradient graph +
   sessions + the step) and that time in steps of PyTorch eager.
 Every table is stamped with the host (`_common.host_stamp`): read ratios, not absolute times.
+``--isa avx2`` re-runs the script with CPUID masked (`benchmarks/_isa.py`): every library, in this process
+and in the memory children, takes its AVX2 kernels; cores, caches and clocks stay this machine's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ if __package__ in (None, ""):
 
 from benchmarks._common import BareOrt, compiled_step, host_stamp, ort_trainer_step, session_options, torch_step
 from benchmarks._hf import SCALE_MODELS, scale_spec
+from benchmarks._isa import add_isa_argument, use_isa
 
 CONTENDERS = ("pytorch", "pytorch_sdpa", "compile", "ort_trainer", "ort_trainer_shrink", "ort_trainer_keep", "ort_api")
 # ORTTrainer variants: its defaults, and each memory setting forced on / off
@@ -73,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads = ORT intra-op (default: each's)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--child", metavar="CONTENDER", help=argparse.SUPPRESS)
+    add_isa_argument(parser)
     args = parser.parse_args(argv)
     for name in args.contenders.split(","):
         if name not in CONTENDERS:
@@ -181,6 +186,7 @@ def run_children(args) -> dict:
         command = [sys.executable, __file__, "--child", name, "--model", args.model, "--mem-steps", str(args.mem_steps)]
         command += ["--batch", str(args.batch)] if args.batch else []
         command += ["--threads", str(args.threads)] if args.threads else []
+        command += ["--isa", args.isa]  # the child inherits LD_PRELOAD; use_isa checks the shim is there
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode or not lines:
@@ -213,6 +219,7 @@ def print_build(results: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    use_isa(args.isa)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.child:
