@@ -117,6 +117,8 @@ SCALE_MODELS = {
                   "HF GPT-2 124M (GPT2Config defaults: 12 layers, d 768, vocab 50257)"),
     "gpt2-350m": ("gpt2", 24, {"n_embd": 1024, "n_head": 16, "vocab_size": 50257, "n_positions": 1024}, 2,
                   "HF GPT-2 medium 355M (24 layers, d 1024, vocab 50257)"),
+    "gpt2-774m": ("gpt2", 36, {"n_embd": 1280, "n_head": 20, "vocab_size": 50257, "n_positions": 1024}, 2,
+                  "HF GPT-2 large 774M (36 layers, d 1280, vocab 50257)"),
     "bert-base": ("bert", 12, {"hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072,
                                "vocab_size": 30522, "max_position_embeddings": 512}, 4,
                   "HF BERT-base classifier (BertConfig defaults: 12 layers, d 768, vocab 30522, 109M)"),

@@ -7,16 +7,19 @@
     python benchmarks/scale.py --model gpt2-124m --threads 1 --isa avx2   # as on an AVX2 host (_isa.py)
 
 Models (`benchmarks/_hf.py` ``SCALE_MODELS``, built from config objects, dropout 0, sequence 128):
-gpt2-124m (GPT2Config defaults, batch 2), gpt2-350m (GPT-2 medium, batch 2), bert-base (BertConfig
-defaults, classifier, batch 4), gpt2-small (4 layers d 256 vocab 8000, batch 8), bert-small (4 layers
-d 256, batch 16). AdamW lr 1e-3, betas 0.9/0.999, eps 1e-6, no weight decay, no clipping, same initial
-weights and batches for every contender; PyTorch's AdamW is the fused CPU kernel.
+gpt2-124m (GPT2Config defaults, batch 2), gpt2-350m (GPT-2 medium, batch 2), gpt2-774m (GPT-2 large,
+batch 2), bert-base (BertConfig defaults, classifier, batch 4), gpt2-small (4 layers d 256 vocab 8000,
+batch 8), bert-small (4 layers d 256, batch 16). AdamW lr 1e-3, betas 0.9/0.999, eps 1e-6, no weight
+decay, no clipping, same initial weights and batches for every contender; PyTorch's AdamW is the fused
+CPU kernel.
 
 Contenders: pytorch / pytorch_sdpa (eager, ``attn_implementation`` eager / sdpa), compile
 (``torch.compile`` of the model, eager attention), ort_trainer (ORTTrainer, eager attention, its
-defaults), ort_api (the bare ``onnxruntime.training.api`` loop on the same graph and rewrites).
-Threads: ``torch.set_num_threads(--threads)`` = ORT intra-op threads; without --threads, each library's
-default (ORTTrainer: one thread per core).
+defaults), ort_trainer_shrink (with ``utils.shrink_memory_arena``), ort_trainer_keep (the legacy memory
+settings: the module keeps its own weights, the arena is kept), ort_api (the bare
+``onnxruntime.training.api`` loop on the same graph and rewrites). Threads:
+``torch.set_num_threads(--threads)`` = ORT intra-op threads; without --threads, each library's default
+(ORTTrainer: one thread per core).
 
 Sections (--sections, default all three):
 * speed: every contender built in this one process, then --rounds rounds of --steps steps each, the
@@ -53,12 +56,24 @@ from benchmarks._common import BareOrt, compiled_step, host_stamp, ort_trainer_s
 from benchmarks._hf import SCALE_MODELS, scale_spec
 from benchmarks._isa import add_isa_argument, use_isa
 
-CONTENDERS = ("pytorch", "pytorch_sdpa", "compile", "ort_trainer", "ort_trainer_shrink", "ort_trainer_keep", "ort_api")
+CONTENDERS = (
+    "pytorch",
+    "pytorch_sdpa",
+    "compile",
+    "ort_trainer",
+    "ort_trainer_shrink",
+    "ort_trainer_keep",
+    "ort_trainer_pattern",
+    "ort_trainer_nopattern",
+    "ort_api",
+)
 # ORTTrainer variants: its defaults, and each memory setting forced on / off
 ORT_TRAINER_UTILS = {
     "ort_trainer": {},
     "ort_trainer_shrink": {"shrink_memory_arena": True},
     "ort_trainer_keep": {"shrink_memory_arena": False, "share_module_parameters": False},
+    "ort_trainer_pattern": {},  # ONNX Runtime's memory pattern on (session option)
+    "ort_trainer_nopattern": {},  # and off
 }
 DEFAULT_CONTENDERS = "pytorch,pytorch_sdpa,ort_trainer"
 SECTIONS = ("speed", "memory", "build")
@@ -102,6 +117,9 @@ def build(name: str, args) -> tuple:
         step = compiled_step(spec, model)
     elif name in ORT_TRAINER_UTILS:
         options = None if args.threads is None else session_options(args.threads, spinning=False)
+        if name.endswith("pattern"):
+            options = options or session_options(0, spinning=False)
+            options.enable_mem_pattern = name == "ort_trainer_pattern"
         step, keep = ort_trainer_step(spec, model, options, True, first, ORT_TRAINER_UTILS[name])
     else:
         keep = BareOrt(

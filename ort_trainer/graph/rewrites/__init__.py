@@ -1,10 +1,11 @@
-"""CPU speed rewrites: each keeps the math (loss and gradients equal PyTorch's), one module per rewrite.
+"""CPU speed (and memory) rewrites: each keeps the math (loss and gradients equal PyTorch's), one module per rewrite.
 
 * Forward graph, before gradient building (`apply_forward_rewrites`, CPU only): `gather_to_gather_nd`,
   `decompose_softmax_cross_entropy`: faster CPU kernels for the same values.
 * Training graph, after gradient building (`apply_training_rewrites`, CPU only): `decompose_gelu_grads`,
   `decompose_relu_grads`, `decompose_layer_norm_grads`: vectorised, multi-threaded element-wise ops
-  instead of single-threaded gradient kernels.
+  instead of single-threaded gradient kernels; `split_summed_accumulations`: a weight's gradient terms
+  (tied or shared weights) accumulated one by one as they are made, instead of summed at the end (memory).
 
 tests/test_graph_rewrites.py, test_graph_gelu.py, test_graph_relu.py and tests/graph/ check each one against
 PyTorch.
@@ -19,6 +20,7 @@ from ._gather_nd import gather_to_gather_nd
 from ._gelu_grad import decompose_gelu_grads
 from ._layer_norm_grad import decompose_layer_norm_grads
 from ._relu_grad import decompose_relu_grads
+from ._split_accumulation import split_summed_accumulations
 
 __all__ = [
     "apply_forward_rewrites",
@@ -28,6 +30,7 @@ __all__ = [
     "decompose_relu_grads",
     "decompose_softmax_cross_entropy",
     "gather_to_gather_nd",
+    "split_summed_accumulations",
 ]
 
 
@@ -43,4 +46,5 @@ def apply_training_rewrites(model: onnx.ModelProto, threads: int = 0) -> int:
     gradient kernel beats its element-wise form, so it is kept (`decompose_gelu_grads`).
     """
     gelu = decompose_gelu_grads(model, exact=threads != 1)
-    return gelu + decompose_relu_grads(model) + decompose_layer_norm_grads(model)
+    kernels = gelu + decompose_relu_grads(model) + decompose_layer_norm_grads(model)
+    return kernels + split_summed_accumulations(model)
