@@ -95,6 +95,11 @@ def session_options_for(options: ORTTrainerOptions) -> ort.SessionOptions:
         # ORT's spinning pool threads fight torch's OpenMP threads around the optimizer step (measured:
         # MLP step 16.3 -> 10.7 ms on 2 cores). Users who pass session_options decide for themselves.
         session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if options.device.id == "cpu":
+            # ORT's memory pattern replays the first run's allocations as one planned block per run, kept
+            # between steps; for a training graph that block is larger than what the arena needs without it
+            # (GPT-2 124M: steady RSS 2963 -> 2733 MiB) and no faster (docs/performance.md, "memory pattern").
+            session_options.enable_mem_pattern = False
     if options.debug.deterministic_compute:
         session_options.use_deterministic_compute = True
     optimized_path = options.debug.graph_save_paths.model_with_training_graph_after_optimization_path

@@ -118,3 +118,25 @@ def test_a_hugging_face_module_trained_by_default_saves_and_reloads_with_save_pr
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, trained[name], atol=0, rtol=0, msg=name)
     assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
+
+
+def test_default_cpu_sessions_plan_memory_without_the_pattern_and_given_options_are_kept():
+    import onnxruntime
+
+    from ort_trainer.config import ORTTrainerOptions
+    from ort_trainer.engine._build import session_options_for
+
+    ours = session_options_for(ORTTrainerOptions({}))
+    assert ours.enable_mem_pattern is False
+    assert ours.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    given = onnxruntime.SessionOptions()
+    assert session_options_for(ORTTrainerOptions({"session_options": given})) is given
+    assert given.enable_mem_pattern is True  # the user's options are theirs
+    torch.manual_seed(6)
+    model = TinyLM(layers=2)
+    plain = ORTTrainer(copy.deepcopy(model), LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss)
+    patterned = ORTTrainer(
+        model, LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss, options={"session_options": given}
+    )
+    for batch in lm_batches(3):
+        torch.testing.assert_close(plain.train_step(*batch), patterned.train_step(*batch), atol=0, rtol=0)
