@@ -14,7 +14,11 @@ The per-phase build times come from the ``ort_trainer`` logger at INFO (printed 
 ``--fit`` fits ``RSS = a + b * parameters`` over the measured sizes for each contender and
 extrapolates the largest GPT-2 of the standard family that stays under ``--budget-gib``.
 
+``--limit-gib N`` runs every child in a memory cgroup of N GiB (`benchmarks/_cgroup.py`, needs root): a
+size that does not fit is killed by the kernel and reported as such, which confirms a fit by running it.
+
     python benchmarks/memory.py --sizes 124M,350M --threads 1
+    python benchmarks/memory.py --sizes 30x1280,31x1280 --limit-gib 12 --threads 2 --steps 2
 """
 
 from __future__ import annotations

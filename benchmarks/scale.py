@@ -55,6 +55,8 @@ if __package__ in (None, ""):
 from benchmarks._common import BareOrt, compiled_step, host_stamp, ort_trainer_step, session_options, torch_step
 from benchmarks._hf import SCALE_MODELS, scale_spec
 from benchmarks._isa import add_isa_argument, use_isa
+from ort_trainer.config import ORTTrainerOptions
+from ort_trainer.engine._build import session_options_for  # the session options ORTTrainer makes itself
 
 CONTENDERS = (
     "pytorch",
@@ -116,9 +118,11 @@ def build(name: str, args) -> tuple:
     elif name == "compile":
         step = compiled_step(spec, model)
     elif name in ORT_TRAINER_UTILS:
-        options = None if args.threads is None else session_options(args.threads, spinning=False)
+        options = None
+        if args.threads is not None or name.endswith("pattern"):
+            options = session_options_for(ORTTrainerOptions({}))  # ORTTrainer's own defaults, then:
+            options.intra_op_num_threads = args.threads or 0
         if name.endswith("pattern"):
-            options = options or session_options(0, spinning=False)
             options.enable_mem_pattern = name == "ort_trainer_pattern"
         step, keep = ort_trainer_step(spec, model, options, True, first, ORT_TRAINER_UTILS[name])
     else:
