@@ -233,9 +233,11 @@ def graph_rewrites(enabled: bool) -> Iterator[None]:
 Step = Callable[[tuple[torch.Tensor, ...]], object]
 
 
-def torch_step(spec: ModelSpec, model: torch.nn.Module, adamw: str = "fused") -> Step:
-    """Eager PyTorch: zero_grad(set_to_none) + forward + loss + backward + AdamW."""
-    model = copy.deepcopy(model).train()
+def torch_step(spec: ModelSpec, model: torch.nn.Module, adamw: str = "fused", copy_model: bool = True) -> Step:
+    """Eager PyTorch: zero_grad(set_to_none) + forward + loss + backward + AdamW.
+
+    ``copy_model=False`` trains ``model`` itself (a memory measurement must not hold a second copy)."""
+    model = (copy.deepcopy(model) if copy_model else model).train()
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[adamw]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kind)
 
@@ -250,9 +252,9 @@ def torch_step(spec: ModelSpec, model: torch.nn.Module, adamw: str = "fused") ->
     return step
 
 
-def compiled_step(spec: ModelSpec, model: torch.nn.Module) -> Step:
+def compiled_step(spec: ModelSpec, model: torch.nn.Module, copy_model: bool = True) -> Step:
     """``torch.compile(model)`` (inductor, default mode) for forward + backward; the fused AdamW stays eager."""
-    compiled = copy.deepcopy(model).train()
+    compiled = (copy.deepcopy(model) if copy_model else model).train()
     opt = torch.optim.AdamW(compiled.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
     forward = torch.compile(compiled)
 
@@ -274,13 +276,15 @@ def ort_trainer_step(
     rewrites: bool,
     first: tuple,
     utils: dict | None = None,
+    copy_model: bool = True,
 ) -> tuple[Step, ORTTrainer]:
     """ORTTrainer (Adam mode 0 == AdamW); the engine is built by running one step on ``first``.
 
-    ``utils``: extra ``options["utils"]`` entries (e.g. ``{"shrink_memory_arena": True}``)."""
+    ``utils``: extra ``options["utils"]`` entries (e.g. ``{"shrink_memory_arena": True}``); ``copy_model=False``
+    hands ``model`` itself to the trainer (as a user does; a memory measurement must not hold a copy)."""
     config = optim.AdamConfig(lr=LR, alpha=BETAS[0], beta=BETAS[1], lambda_coef=WEIGHT_DECAY, epsilon=EPS)
     trainer = ORTTrainer(
-        copy.deepcopy(model),
+        copy.deepcopy(model) if copy_model else model,
         spec.desc,
         config,
         loss_fn=spec.loss_fn,

@@ -114,9 +114,9 @@ def build(name: str, args) -> tuple:
     start = time.perf_counter()
     keep = None
     if name.startswith("pytorch"):
-        step = torch_step(spec, model)
+        step = torch_step(spec, model, copy_model=False)
     elif name == "compile":
-        step = compiled_step(spec, model)
+        step = compiled_step(spec, model, copy_model=False)
     elif name in ORT_TRAINER_UTILS:
         options = None
         if args.threads is not None or name.endswith("pattern"):
@@ -124,7 +124,7 @@ def build(name: str, args) -> tuple:
             options.intra_op_num_threads = args.threads or 0
         if name.endswith("pattern"):
             options.enable_mem_pattern = name == "ort_trainer_pattern"
-        step, keep = ort_trainer_step(spec, model, options, True, first, ORT_TRAINER_UTILS[name])
+        step, keep = ort_trainer_step(spec, model, options, True, first, ORT_TRAINER_UTILS[name], copy_model=False)
     else:
         keep = BareOrt(
             spec, model, session_options(args.threads or torch.get_num_threads(), spinning=False), True, first
