@@ -200,3 +200,36 @@ def test_on_a_terminal_a_progress_bar_names_the_running_phase(monkeypatch):
     assert "ORTTrainer build: export" in shown and "ORTTrainer build: gradient graph" in shown
     assert "[1/2 phases" in shown and set(progress.durations) == {"export", "gradient graph"}
     assert total >= sum(progress.durations.values())
+
+
+_GRAD_SEEN: list[bool] = []  # module level: the trainer traces a deep copy of the module
+
+
+class _RecordsGrad(torch.nn.Module):
+    """An MLP that notes whether autograd was recording each time its forward ran (the export's trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x):
+        out = self.mlp(x)
+        _GRAD_SEEN.append(out.requires_grad)
+        return out
+
+
+def test_the_export_trace_keeps_no_activations_for_a_backward_and_still_trains_like_torch():
+    torch.manual_seed(7)
+    _GRAD_SEEN.clear()
+    model = _RecordsGrad()
+    reference = copy.deepcopy(model.mlp)
+    trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, label in mlp_batches(2):
+        got = trainer.train_step(x, label)
+        opt.zero_grad()
+        expected = ce(reference(x), label)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)
+    assert _GRAD_SEEN and not any(_GRAD_SEEN)  # traced under no_grad: nothing was saved for backward
