@@ -23,7 +23,7 @@ from ort_trainer.engine._distributed import DistributedContext
 from ort_trainer.engine._random import agreed_run_seed
 from ort_trainer.engine._session import resolve_device
 from ort_trainer.engine._step import eval_step, train_step
-from ort_trainer.engine._store import build_store, share_module_state
+from ort_trainer.engine._store import build_store
 from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
 from ort_trainer.optim.config import OptimizerConfig
 from ort_trainer.parallel import HorizontalParallel
@@ -99,11 +99,16 @@ class ORTTrainer:
         store_dist = dist
         if horizontal is not None:
             model, store_dist = horizontal.model, horizontal.data_parallel
-        store = build_store(
-            model, optim_config, tuple(options.utils.frozen_weights), device.torch_device, store_dist, zero_stage
+        share = options.utils.share_module_parameters and isinstance(model, torch.nn.Module)
+        store = build_store(  # with share_with, the module's weights become views of the store's (held once)
+            model,
+            optim_config,
+            tuple(options.utils.frozen_weights),
+            device.torch_device,
+            store_dist,
+            zero_stage,
+            share_with=model if share else None,
         )
-        if options.utils.share_module_parameters and isinstance(model, torch.nn.Module):
-            share_module_state(model, store)  # the module's weights become views of the store's (held once)
         self._trainer_state = TrainerState(
             options=options,
             optim_config=optim_config,

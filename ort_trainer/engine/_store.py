@@ -124,8 +124,15 @@ def build_store(
     device: torch.device,
     dist: DistributedContext | None,
     zero_stage: int,
+    share_with: torch.nn.Module | None = None,
 ) -> ParamStore:
-    """Everything `state_dict()` needs, from the module alone; rank 0's values on every rank."""
+    """Everything `state_dict()` needs, from the module alone; rank 0's values on every rank.
+
+    ``share_with`` (``options.utils.share_module_parameters``): that module's float state becomes views
+    of the store's buffers (`share_module_state`) right after the weights are copied in, before the
+    gradients and the optimizer state are written: the module's own copy is gone before they take
+    memory, so construction peaks at 4x the weights (weights, gradients, two moments), as PyTorch does.
+    """
     state = model_state(model)
     frozen_names = _frozen_parameters(state, frozen_weights)
     trainable = [n for n in state.parameters if state.requires_grad[n] and n not in frozen_names]
@@ -141,6 +148,9 @@ def build_store(
     zero = ZeroPartition(layout, dist.world_size, dist.rank) if dist is not None and zero_stage > 0 else None
     store = _allocate(state, layout, zero, device, dist)
     _shapes_only(state, store)
+    if share_with is not None:
+        share_module_state(share_with, store)
+    store.padded_grads.zero_()  # its pages are touched only now (torch.empty in _allocate)
     if zero is not None:
         store.optimizer = ShardedOptimizer(optim_config, zero, store.padded_params, store.padded_grads)
     else:
@@ -152,7 +162,7 @@ def _allocate(state: ModelState, layout: FlatLayout, zero, device: torch.device,
     """Flat buffers with the initial values, frozen state, rank 0's values on every rank (no optimizer yet)."""
     allocated = zero.padded if zero is not None else layout.numel
     padded_params = torch.zeros(allocated, dtype=torch.float32, device=device)
-    padded_grads = torch.zeros(allocated, dtype=torch.float32, device=device)
+    padded_grads = torch.empty(allocated, dtype=torch.float32, device=device)  # zeroed by build_store
     params, grads = padded_params[: layout.numel], padded_grads[: layout.numel]
     param_views, grad_views = layout.views(params), layout.views(grads)
     for name, view in param_views.items():

@@ -140,3 +140,26 @@ def test_default_cpu_sessions_plan_memory_without_the_pattern_and_given_options_
     )
     for batch in lm_batches(3):
         torch.testing.assert_close(plain.train_step(*batch), patterned.train_step(*batch), atol=0, rtol=0)
+
+
+def test_the_module_copy_is_released_before_gradients_and_moments_take_memory(monkeypatch):
+    import gc
+    import weakref
+
+    import ort_trainer.engine._store as store_module
+
+    torch.manual_seed(8)
+    model = MLP()
+    originals = [weakref.ref(p.data.untyped_storage()) for p in model.parameters()]
+    seen = {}
+    real = store_module.FlatOptimizer
+
+    def optimizer_after_sharing(config, layout, params, grads):
+        gc.collect()
+        seen["module in the flat buffer"] = all(_inside(p, params) for p in model.parameters())
+        seen["module storage freed"] = all(ref() is None for ref in originals)
+        return real(config, layout, params, grads)
+
+    monkeypatch.setattr(store_module, "FlatOptimizer", optimizer_after_sharing)
+    ORTTrainer(model, MLP_DESC, optim.AdamConfig(lr=0.1), loss_fn=ce)
+    assert seen == {"module in the flat buffer": True, "module storage freed": True}
