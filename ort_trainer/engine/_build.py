@@ -98,7 +98,7 @@ def session_options_for(options: ORTTrainerOptions) -> ort.SessionOptions:
         if options.device.id == "cpu":
             # ORT's memory pattern replays the first run's allocations as one planned block per run, kept
             # between steps; for a training graph that block is larger than what the arena needs without it
-            # (GPT-2 124M: steady RSS 2963 -> 2733 MiB) and no faster (docs/performance.md, "memory pattern").
+            # (GPT-2 124M: steady RSS 2963 -> 2733 MiB) and no faster (docs/performance.md, "Peak and steady memory").
             session_options.enable_mem_pattern = False
     if options.debug.deterministic_compute:
         session_options.use_deterministic_compute = True
