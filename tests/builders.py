@@ -57,3 +57,17 @@ def mlp_trainer(
 def sgd_trainer(model: torch.nn.Module | None = None, desc: Any = MLP_DESC, loss_fn: Callable | None = ce, **options):
     """`mlp_trainer` with SGD(lr=0.1) and without seeding (the model is usually given)."""
     return mlp_trainer(model, config=optim.SGDConfig(lr=0.1), desc=desc, loss_fn=loss_fn, seed=None, **options)
+
+
+def assert_steps_match_torch_sgd(
+    trainer: ORTTrainer, reference: torch.nn.Module, batches, loss_fn: Callable = ce, lr: float = 0.1
+) -> None:
+    """Train ``trainer`` and ``reference`` (plain ``torch.optim.SGD``) in lockstep; every loss must agree."""
+    opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    for *inputs, label in batches:
+        got = trainer.train_step(*inputs, label)
+        opt.zero_grad()
+        expected = loss_fn(reference(*inputs), label)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)

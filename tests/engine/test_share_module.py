@@ -8,6 +8,7 @@ import copy
 import torch
 
 from ort_trainer import ORTTrainer, optim
+from tests.builders import assert_steps_match_torch_sgd
 from tests.models import CNN, CNN_DESC, MLP, MLP_DESC, TinyLM, cnn_batches, lm_batches, lm_loss, mlp_batches
 
 ce = torch.nn.functional.cross_entropy
@@ -26,14 +27,7 @@ def test_shared_module_shows_the_trained_weights_and_matches_torch():
     reference = copy.deepcopy(model)
     trainer = ORTTrainer(model, CNN_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=SHARE)
     assert all(_inside(p, trainer._trainer_state.store.params) for p in model.parameters())
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x, label in cnn_batches(3):
-        got = trainer.train_step(x, label)
-        opt.zero_grad()
-        expected = ce(reference(x), label)
-        expected.backward()
-        opt.step()
-        torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)
+    assert_steps_match_torch_sgd(trainer, reference, cnn_batches(3))
     for name, value in reference.state_dict().items():  # running statistics included (shared float buffers)
         if value.is_floating_point():  # integer buffers (num_batches_tracked) are counted by the trainer only
             torch.testing.assert_close(model.state_dict()[name], value, atol=1e-5, rtol=1e-5, msg=name)
@@ -85,12 +79,7 @@ def test_by_default_the_module_is_trained_in_place_like_with_a_torch_optimizer()
     reference = copy.deepcopy(model)
     trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
     assert trainer.options.utils.share_module_parameters is True
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x, label in mlp_batches(2):
-        trainer.train_step(x, label)
-        opt.zero_grad()
-        ce(reference(x), label).backward()
-        opt.step()
+    assert_steps_match_torch_sgd(trainer, reference, mlp_batches(2))
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, atol=1e-6, rtol=1e-5, msg=name)
 
