@@ -1,33 +1,56 @@
 # `make test` and `make demo` work on a fresh machine with only Python 3.11: they build .venv first.
+# Two environments, never mixed (both runtime packages provide the `onnxruntime` module):
+#   .venv            requirements.txt: the stock onnxruntime (what `pip install .` gives): the autograd engine
+#   .venv-onnxblock  requirements-onnxblock.txt: onnxruntime-training 1.19.2: both engines
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+OB_VENV := .venv-onnxblock
+OB_PY := $(OB_VENV)/bin/python
+OB_STAMP := $(OB_VENV)/.installed
+# the stock venv has no onnxruntime-training: tests that mean the onnxblock engine run in .venv-onnxblock
+STOCK := not onnxblock
 
-.PHONY: test test-faults test-zoo test-hf demo lint bench clean
+.PHONY: test test-faults test-zoo test-hf test-onnxblock demo lint bench clean
 
+# A venv is rebuilt from scratch when its lock changes: installing one runtime over the other is never an upgrade.
 $(STAMP): requirements.txt setup.py
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-# The main suite (< 10 min on 2 cores). Long fault-injection suites are marked `faults` and run by
-# `make test-faults`; the zoo of Hugging Face architectures (~2 min) is marked `zoo` and run by
-# `make test-zoo`; `make test-hf` runs the long ort_trainer.hf comparisons (CI runs all four).
+$(OB_STAMP): requirements-onnxblock.txt setup.py
+	rm -rf $(OB_VENV)
+	$(PYTHON) -m venv $(OB_VENV)
+	$(OB_PY) -m pip install --quiet --upgrade pip
+	$(OB_PY) -m pip install --quiet -r requirements-onnxblock.txt
+	$(OB_PY) -m pip install --quiet --no-deps -e .
+	touch $(OB_STAMP)
+
+# The main suite (< 10 min on 2 cores) on the stock runtime. Long fault-injection suites are marked `faults`
+# and run by `make test-faults`; the zoo of Hugging Face architectures is marked `zoo` (`make test-zoo`);
+# `make test-hf` runs the long ort_trainer.hf comparisons; `make test-onnxblock` runs the suite and the zoo
+# in the onnxruntime-training venv, both engines (CI runs all five).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not faults and not zoo and not hf_long" tests
+	$(PY) -m pytest -q -m "not faults and not zoo and not hf_long and $(STOCK)" tests
 
 test-faults: $(STAMP)
-	$(PY) -m pytest -q -m faults tests
+	$(PY) -m pytest -q -m "faults and $(STOCK)" tests
 
 test-zoo: $(STAMP)
-	$(PY) -m pytest -q -m zoo tests
+	$(PY) -m pytest -q -m "zoo and $(STOCK)" tests
 
 # ort_trainer.hf.Trainer against transformers.Trainer: 2 ranks, the sample, more LR schedules (a few minutes)
 test-hf: $(STAMP)
-	$(PY) -m pytest -q -m hf_long tests
+	$(PY) -m pytest -q -m "hf_long and $(STOCK)" tests
+
+# onnxruntime-training: the main suite and the zoo with both engines (the default engine there is onnxblock)
+test-onnxblock: $(OB_STAMP)
+	$(OB_PY) -m pytest -q -m "not faults and not hf_long" tests
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py
@@ -39,4 +62,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info out
+	rm -rf $(VENV) $(OB_VENV) build *.egg-info out

@@ -6,6 +6,8 @@ One top-level import package, ``ort_trainer``. Its subpackages ``ort_trainer.che
 """
 
 import re
+import sysconfig
+from importlib import metadata
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -31,15 +33,37 @@ def _version() -> str:
 
 PACKAGES, PACKAGE_DIR = _packages()
 
+# The ONNX Runtime a plain `pip install .` brings: the stock package (every Python and platform it ships for;
+# the autograd engine). Where onnxruntime-training (or a GPU build) is already installed in the target
+# environment, no second runtime is required: both provide the `onnxruntime` module and must never be
+# installed over each other (docs/engines.md; the trainer refuses to start when they are).
+STOCK_RUNTIME = "onnxruntime>=1.20,<2"
+_OTHER_RUNTIMES = ("onnxruntime-training", "onnxruntime-training-cpu", "onnxruntime-gpu")
+
+
+def runtime_requirements(installed: set[str]) -> list[str]:
+    """The runtime to require, given the distribution names already installed in the target environment."""
+    return [] if installed & set(_OTHER_RUNTIMES) else [STOCK_RUNTIME]
+
+
+def _target_distributions() -> set[str]:
+    """Distributions installed in the environment being installed into (pip builds in an isolated overlay,
+    but with the target's interpreter: its purelib/platlib are the target's site-packages)."""
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions(path=paths)}
+
+
 # Ranges, not pins: the lower bound is the version CI installs and tests (requirements.txt, the lock file of
 # the test environment); the upper bound is the next major (minor for torch) release nobody has tried yet.
 INSTALL_REQUIRES = [
     # torch 2.13 is what CI tests; 2.14 resolves and imports beside us (tests/package/test_packaging.py).
     "torch>=2.13,<2.15",
-    # The last onnxruntime-training release; its training APIs (onnxblock, training sessions) are what we drive.
-    "onnxruntime-training==1.19.2",
-    # Pinned: onnx >= 1.18 writes IR version 11+ models, which onnxruntime(-training) 1.19.2 refuses to load.
-    "onnx==1.17.0",
+    *runtime_requirements(_target_distributions()),
+    # the autograd engine's exporter (torch.onnx.export(dynamo=True) translates aten ops with onnxscript)
+    "onnxscript>=0.7.2,<0.8",
+    # 1.17 is what onnxruntime-training 1.19.2 reads (newer onnx writes IR 11+, which it rejects); the autograd
+    # engine works with 1.17 up to the current release (its exporter writes IR 10, opset 20).
+    "onnx>=1.17,<2",
     "numpy>=2.2.6,<3",
     "h5py>=3.16,<4",
     "tqdm>=4.70.1,<5",
@@ -72,26 +96,30 @@ EXTRAS_REQUIRE = {
     ],
 }
 
-setup(
-    name="ort_trainer",
-    version=_version(),
-    description="Train PyTorch or ONNX models on ONNX Runtime; HDF5 checkpoints with ZeRO/Megatron aggregation.",
-    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
-    long_description_content_type="text/markdown",
-    license_expression="MIT",  # SPDX (PEP 639); compatible with ONNX Runtime (MIT) and PyTorch (BSD-3-Clause)
-    license_files=["LICENSE"],
-    classifiers=[
-        "Programming Language :: Python :: 3",
-        "Programming Language :: Python :: 3.11",
-        "Operating System :: POSIX :: Linux",
-        "Topic :: Scientific/Engineering :: Artificial Intelligence",
-        "Typing :: Typed",
-    ],
-    packages=PACKAGES,
-    package_dir=PACKAGE_DIR,
-    package_data={"ort_trainer": ["py.typed"], "ort_trainer.checkpoint.format": ["FORMAT.md"]},
-    python_requires=">=3.11",
-    install_requires=INSTALL_REQUIRES,
-    extras_require=EXTRAS_REQUIRE,
-    entry_points={"console_scripts": ["ort-trainer-ckpt=ort_trainer.checkpoint.__main__:main"]},
-)
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import it for its functions
+    setup(
+        name="ort_trainer",
+        version=_version(),
+        description="Train PyTorch or ONNX models on ONNX Runtime; HDF5 checkpoints with ZeRO/Megatron aggregation.",
+        long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+        long_description_content_type="text/markdown",
+        license_expression="MIT",  # SPDX (PEP 639); compatible with ONNX Runtime (MIT) and PyTorch (BSD-3-Clause)
+        license_files=["LICENSE"],
+        classifiers=[
+            "Programming Language :: Python :: 3",
+            "Programming Language :: Python :: 3.11",
+            "Programming Language :: Python :: 3.12",
+            "Programming Language :: Python :: 3.13",
+            "Programming Language :: Python :: 3.14",
+            "Operating System :: OS Independent",
+            "Topic :: Scientific/Engineering :: Artificial Intelligence",
+            "Typing :: Typed",
+        ],
+        packages=PACKAGES,
+        package_dir=PACKAGE_DIR,
+        package_data={"ort_trainer": ["py.typed"], "ort_trainer.checkpoint.format": ["FORMAT.md"]},
+        python_requires=">=3.11",
+        install_requires=INSTALL_REQUIRES,
+        extras_require=EXTRAS_REQUIRE,
+        entry_points={"console_scripts": ["ort-trainer-ckpt=ort_trainer.checkpoint.__main__:main"]},
+    )

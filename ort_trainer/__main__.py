@@ -17,7 +17,10 @@ from . import __version__
 
 __all__ = ["describe", "main"]
 
-_DISTRIBUTIONS = ("torch", "onnxruntime-training", "onnx", "numpy", "h5py", "safetensors", "fsspec")
+_DISTRIBUTIONS = (
+    "torch", "onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnx", "onnxscript", "numpy", "h5py",
+    "safetensors", "fsspec",
+)  # fmt: skip
 
 
 def _installed(name: str) -> str:
@@ -36,6 +39,9 @@ def describe() -> list[str]:
     lines.append(f"python {platform.python_version()} ({sys.executable}), {platform.platform()}")
     lines += [f"{name} {_installed(name)}" for name in _DISTRIBUTIONS]
     lines.append(f"onnxruntime execution providers: {', '.join(onnxruntime.get_available_providers())}")
+    from .engine import choose_engine
+
+    lines.append(f"engine (utils.engine='auto'): {choose_engine('auto')}")
     cuda = f"cuda {torch.version.cuda}, {torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "no"
     lines.append(f"torch CUDA: {cuda}")
     lines.append(

@@ -17,7 +17,8 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.io import SaveHandle
-from ort_trainer.engine import TrainerState
+from ort_trainer.engine import TrainerState, choose_engine
+from ort_trainer.engine._autograd_build import check_autograd_supported
 from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
 from ort_trainer.engine._random import agreed_run_seed
@@ -69,6 +70,14 @@ class ORTTrainer:
         options = ORTTrainerOptions(options)
         options.check_implemented()
         options.debug.graph_save_paths.check_writable()
+        engine_name = choose_engine(options.utils.engine)
+        if engine_name == "autograd":
+            check_autograd_supported(
+                model,
+                mixed_precision=bool(options.mixed_precision.enabled),
+                horizontal=options.distributed.horizontal_parallel_size > 1,
+                extra_postprocess=options._internal_use.extra_postprocess,
+            )
         model_desc = validate_model_desc(model_desc, require_loss=True)
         if isinstance(model, torch.nn.Module):  # model_desc names must be forward()'s parameters (legacy rule)
             bind_forward_inputs(outer_module(model), model_input_names(model_desc, loss_fn))
@@ -120,6 +129,7 @@ class ORTTrainer:
             train_step_info=TrainStepInfo(optim_config, seed=agreed_run_seed(dist)),
             dist=dist,
             horizontal=horizontal,
+            engine_name=engine_name,
         )
 
     # ------------------------------------------------------------------ properties
@@ -144,6 +154,11 @@ class ORTTrainer:
     def train_step_info(self) -> TrainStepInfo:
         """Counters of this run (``step``, ``optimization_step``), ``all_finite`` and the ``fetches`` list."""
         return self._trainer_state.train_step_info
+
+    @property
+    def engine(self) -> str:
+        """The graph source this trainer builds with: "onnxblock" or "autograd" (``options.utils.engine``)."""
+        return self._trainer_state.engine_name
 
     @property
     def is_built(self) -> bool:
@@ -400,6 +415,8 @@ class ORTTrainer:
             mixed_precision=bool(self.options.mixed_precision.enabled),
             shrink_arena=bool(self.options.utils.shrink_memory_arena),
             horizontal=self._trainer_state.horizontal,
+            engine=self._trainer_state.engine_name,
+            graph_cache=bool(self.options.utils.graph_cache),
         )
 
     def _require_engine(self, what: str) -> Engine:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ort_trainer.config.model_desc import validate_model_desc
-from ort_trainer.engine._session import build_training_graphs
+from ort_trainer.engine._onnxblock_graphs import build_training_graphs
 from ort_trainer.graph._export import export_torch_model
 from ort_trainer.graph._passes import add_optional_outputs
 from ort_trainer.graph._weightless import checkable

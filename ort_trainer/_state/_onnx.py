@@ -21,7 +21,7 @@ __all__ = ["check_model_export", "eval_model_with_weights"]
 
 def eval_model_with_weights(engine: Engine) -> onnx.ModelProto:
     """The eval graph with current parameters and frozen state moved back into initializers."""
-    model = copy.deepcopy(engine.eval_model)
+    model = copy.deepcopy(engine.eval_graph())
     inputs = {i.name for i in model.graph.input}
     state = {name: tensor for name, tensor in engine.store.weights.items() if name in inputs}
     kept = [i for i in model.graph.input if i.name not in state]

@@ -7,6 +7,7 @@ never shares mutable data with the caller. Defaults follow the legacy schema exc
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 from collections.abc import Callable
@@ -35,10 +36,23 @@ __all__ = [
 _DEVICE_ID = re.compile(r"cpu|cuda(:\d+)?")
 
 
-def default_cast_strategy() -> Any:
-    """Default cast-propagation strategy (imported lazily: onnxruntime is slow to import)."""
-    from onnxruntime.training import PropagateCastOpsStrategy
+class _CastStrategy(enum.Enum):
+    """Stand-in for ``onnxruntime.training.PropagateCastOpsStrategy`` where onnxruntime-training is not installed."""
 
+    NONE = 0
+    INSERT_AND_REDUCE = 1
+    FLOOD_FILL = 2
+
+
+def default_cast_strategy() -> Any:
+    """Default cast-propagation strategy (imported lazily: onnxruntime is slow to import).
+
+    onnxruntime-training's enum where it is installed; with the stock onnxruntime, a stand-in with its names.
+    """
+    try:
+        from onnxruntime.training import PropagateCastOpsStrategy
+    except ImportError:
+        return _CastStrategy.FLOOD_FILL
     return PropagateCastOpsStrategy.FLOOD_FILL
 
 
@@ -257,6 +271,10 @@ class UtilsOptions:
     False leaves the module as it was (the legacy trainer's behaviour) at the price of a copy of the weights.
     ``shrink_memory_arena`` (ours, default False; CPU): ONNX Runtime's arena gives its free memory back
     after every run, so activations are not kept resident between steps (costs page faults per step).
+    ``engine`` (ours, default "auto"): where the training graph comes from, "onnxblock" (onnxruntime-training's
+    gradient builder) or "autograd" (PyTorch's autograd, any onnxruntime); "auto" takes onnxblock where
+    onnxruntime-training is installed, else autograd (docs/engines.md). ``graph_cache`` (ours, default True):
+    the autograd engine keeps exported graphs on disk (``ORT_TRAINER_GRAPH_CACHE*`` environment variables).
     """
 
     _PATH: ClassVar[str] = "utils"
@@ -266,13 +284,19 @@ class UtilsOptions:
     run_symbolic_shape_infer: bool = False
     share_module_parameters: bool = True
     shrink_memory_arena: bool = False
+    engine: str = "auto"
+    graph_cache: bool = True
 
     def __post_init__(self) -> None:
         c = Checker(self)
         c.string_list("frozen_weights")
         flags = ("grad_norm_clip", "memory_efficient_gradient", "run_symbolic_shape_infer")
-        for name in (*flags, "share_module_parameters", "shrink_memory_arena"):
+        for name in (*flags, "share_module_parameters", "shrink_memory_arena", "graph_cache"):
             c.boolean(name)
+        if not isinstance(self.engine, str):
+            c.fail("engine", "must be 'auto', 'onnxblock' or 'autograd'", is_type=True)
+        elif self.engine not in ("auto", "onnxblock", "autograd"):
+            c.fail("engine", f"must be 'auto', 'onnxblock' or 'autograd', got {self.engine!r}")
         c.done()
 
 

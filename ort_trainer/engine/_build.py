@@ -1,7 +1,9 @@
 """Turn a torch module or ONNX model into a ready `Engine`: graphs, flat buffers, optimizer, session.
 
 Runs once, on the first `train_step`/`eval_step` (the exporter needs real inputs to trace).
-Order: export -> graph passes -> onnxblock -> session over the `ParamStore` buffers the trainer made
+`build_engine` hands the request to the graph source the trainer chose (`_sources`): the autograd
+engine (`_autograd_build`) or the onnxblock engine, whose build is this module's. The onnxblock order:
+export -> graph passes -> onnxblock -> session over the `ParamStore` buffers the trainer made
 at construction (the graph uses a subset of them: unused parameters are never updated). The graphs
 carry the state as shapes only (`graph._weightless`): the values are in the store, nowhere else.
 Each phase is logged with its duration (`_progress`); the eval session is created on the first
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 import onnxruntime as ort
@@ -32,10 +35,18 @@ from ort_trainer.graph._weightless import copy_without_data, strip_data, with_va
 
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
-from ._session import DeviceSpec, TrainingSession, build_training_graphs
+from ._session import DeviceSpec, TrainingSession
+from ._sources import ModelParallel
 from ._store import ParamStore, graph_state_names
 
-__all__ = ["BuildRequest", "Engine", "build_engine", "session_options_for"]
+__all__ = [
+    "BuildRequest",
+    "Engine",
+    "build_engine",
+    "build_onnxblock_engine",
+    "save_debug_graph",
+    "session_options_for",
+]
 
 
 @dataclass
@@ -43,8 +54,8 @@ class Engine:
     """The graphs and sessions, built on the first step over the `ParamStore`'s buffers (created earlier)."""
 
     store: ParamStore
-    session: TrainingSession
-    eval_model: onnx.ModelProto  # eval graph with parameters as inputs (for save_as_onnx)
+    session: TrainingSession | Any  # TrainingSession, AutogradSession, or a Megatron segment session
+    eval_model: onnx.ModelProto | None  # eval graph with parameters as inputs (None: the session builds it)
     input_dtypes: tuple[torch.dtype, ...]
     input_shapes: tuple[tuple[int, ...], ...]  # shapes traced at export (for clearer shape errors)
     bn_stats: list[BatchNormStats] = field(default_factory=list)
@@ -52,6 +63,8 @@ class Engine:
     loss_scale_input: str | None = None  # mixed precision: the graph's float32 loss-scale input
     unused_inputs: tuple[str, ...] = ()  # model_desc inputs the graph does not read (accepted, not fed)
     label_specs: list[LabelSpec] = field(default_factory=list)  # inputs that reach a loss as class indices
+    output_types: dict[str, int] = field(default_factory=dict)  # graph output -> ONNX elem type (legacy dtypes)
+    tracks_batches: bool = False  # a train step runs BatchNorm in training mode (counts num_batches_tracked)
 
     # The state lives in the store; these read through so callers need not know where.
     layout = property(lambda self: self.store.layout)
@@ -66,9 +79,13 @@ class Engine:
     padded_params = property(lambda self: self.store.padded_params)
     padded_grads = property(lambda self: self.store.padded_grads)
 
+    def eval_graph(self) -> onnx.ModelProto:
+        """The eval graph with the state as inputs (built on demand by the autograd engine's session)."""
+        return self.eval_model if self.eval_model is not None else self.session.eval_model
+
     def typed_description(self, desc: ModelDescription) -> ModelDescription:
-        """``desc`` with the input dtypes the graph was built for and the eval graph's output dtypes (legacy)."""
-        outputs = {o.name: o.type.tensor_type.elem_type for o in self.eval_model.graph.output}
+        """``desc`` with the input dtypes the graph was built for and the graph's output dtypes (legacy)."""
+        outputs = self.output_types or {o.name: o.type.tensor_type.elem_type for o in self.eval_model.graph.output}
         known = [name for name in desc.output_names if outputs.get(name) in _TORCH_DTYPES]
         dtypes = {name: _TORCH_DTYPES[outputs[name]] for name in known}
         return desc.with_input_dtypes(list(self.input_dtypes)).with_output_dtypes(dtypes)
@@ -124,10 +141,19 @@ class BuildRequest:
     zero_stage: int = 0
     mixed_precision: bool = False
     shrink_arena: bool = False  # utils.shrink_memory_arena
-    horizontal: object | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
+    horizontal: ModelParallel | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
+    engine: str = "onnxblock"  # the graph source (`_sources.choose_engine`): "onnxblock" or "autograd"
+    graph_cache: bool = True  # autograd engine: the on-disk cache of exported graphs (utils.graph_cache)
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
+    """The chosen graph source's engine (`_sources.GRAPH_SOURCES`)."""
+    from ._sources import graph_source
+
+    return graph_source(request.engine).build(request, sample_inputs)
+
+
+def build_onnxblock_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
     """Export, graph passes, gradient graph, training session: each phase logged with its duration."""
     progress = BuildProgress(5, "ORTTrainer build")
     store = request.store
@@ -144,8 +170,8 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
         train_model, eval_model, loss_scale_input = _training_graphs(request, forward, trainable, frozen)
         # No optimizer runs inside any graph (it runs in PyTorch over the flat buffers): the "training graph"
         # that ONNX Runtime runs is the gradient graph, so both debug paths receive it (docs/migrating.md).
-        _save_graph(request, "model_with_gradient_graph_path", train_model)
-        _save_graph(request, "model_with_training_graph_path", train_model)
+        save_debug_graph(request, "model_with_gradient_graph_path", train_model)
+        save_debug_graph(request, "model_with_training_graph_path", train_model)
     used = set(trainable)
     store.optimizer.set_idle([name for name in store.layout.names if name not in used])
     with progress.phase("training session"):
@@ -176,6 +202,8 @@ def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -
         loss_scale_input=loss_scale_input,
         unused_inputs=unused,
         label_specs=label_specs,
+        output_types={o.name: o.type.tensor_type.elem_type for o in eval_model.graph.output},
+        tracks_batches=bool(bn_stats),
     )
 
 
@@ -191,7 +219,7 @@ def _prepare_forward(request: BuildRequest, forward: onnx.ModelProto, graph_name
         apply_forward_rewrites(forward)
     bn_stats = surface_batchnorm_statistics(forward)
     add_optional_outputs(forward)
-    _save_graph(request, "model_after_graph_transforms_path", forward, values)
+    save_debug_graph(request, "model_after_graph_transforms_path", forward, values)
     trainable, frozen = graph_state_names(store, graph_names)
     if not trainable:
         raise ValueError(
@@ -232,6 +260,8 @@ def _training_graphs(request: BuildRequest, forward: onnx.ModelProto, trainable:
         forward, backprop, loss_scale_input = mixed.model, [mixed.backprop_output], mixed.loss_scale_input
     known = set(request.desc.output_names) | set(backprop)
     outputs = backprop + _loss_first(request.desc) + [o.name for o in forward.graph.output if o.name not in known]
+    from ._onnxblock_graphs import build_training_graphs  # onnxruntime-training: imported only by this engine
+
     train_model, eval_model = build_training_graphs(forward, trainable, frozen, outputs)
     if request.device.torch_device.type == "cpu":  # slow single-threaded gradient kernels; CUDA left as is
         unfuse_scaled_sum(train_model)  # the gradient builder's CUDA-only fusion: no CPU kernel
@@ -275,7 +305,7 @@ def _loss_first(desc: ModelDescription) -> list[str]:
     return [loss, *names]
 
 
-def _save_graph(request: BuildRequest, attribute: str, model: onnx.ModelProto, values=None) -> None:
+def save_debug_graph(request: BuildRequest, attribute: str, model: onnx.ModelProto, values=None) -> None:
     """Write a debug graph (``graph_save_paths``); shell initializers get the state's values (a complete model)."""
     path = getattr(request.graph_save_paths, attribute, "") if request.graph_save_paths is not None else ""
     if path:

@@ -1,6 +1,7 @@
-"""The engine: training/eval graphs from onnxblock, run in ONNX Runtime over our flat torch buffers.
+"""The onnxblock engine's sessions: its training/eval graphs run in ONNX Runtime over our flat torch buffers.
 
-`TrainingSession` is the modern stand-in for the legacy backend session. Parameters and gradient
+`TrainingSession` is the modern stand-in for the legacy backend session (the graphs come from
+`_onnxblock_graphs`; the autograd engine's session is `_autograd_session`). Parameters and gradient
 buffers are views of two flat torch tensors, handed to ONNX Runtime zero-copy through DLPack and
 bound once to an `IOBinding`; a step binds only the user inputs and the outputs it hands out
 (`_OutputBinding`), then runs.
@@ -16,19 +17,16 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as _C
-from onnxruntime.training import onnxblock
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
 from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
-from ort_trainer.graph._weightless import shells_to_inputs
 
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
 from ._random import draws_randomness
 
-__all__ = ["DeviceSpec", "TrainingSession", "build_training_graphs", "resolve_device", "to_ortvalue"]
+__all__ = ["DeviceSpec", "TrainingSession", "resolve_device", "to_ortvalue"]
 
 _LAZY_RESET = "lazy_reset_grad"
 _ACCUMULATOR_FLAG = "_grad.accumulation.out"  # onnxblock's InPlaceAccumulatorV2 outputs
@@ -61,7 +59,7 @@ def resolve_device(device_id: str, provider_options: Mapping[str, Mapping] | Non
     if "CUDAExecutionProvider" not in available:
         raise RuntimeError(
             f"options.device.id={device_id!r} needs ONNX Runtime's CUDAExecutionProvider, but this onnxruntime "
-            f"build only has {available}; install a CUDA build of onnxruntime-training or use device.id='cpu'"
+            f"build only has {available}; install onnxruntime-gpu (in place of onnxruntime) or use device.id='cpu'"
         )
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
         raise RuntimeError(f"options.device.id={device_id!r}: torch sees {torch.cuda.device_count()} CUDA devices")
@@ -144,32 +142,6 @@ class _OutputBinding:
         return fresh
 
 
-class _ExistingLoss(onnxblock.TrainingBlock):
-    """A training block whose loss is already a graph output: backprop starts from it."""
-
-    def build(self, *output_names: str) -> list[str]:
-        return list(output_names)
-
-    def infer_shapes_on_base(self) -> onnx.ModelProto:
-        """onnxblock's shape inference, with the dims it could not infer left unknown (`_gradient_fixes`)."""
-        return forget_unnamed_dims(super().infer_shapes_on_base())
-
-
-def build_training_graphs(
-    forward: onnx.ModelProto, trainable: Sequence[str], frozen: Sequence[str], outputs: Sequence[str]
-) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """Gradient graph (with in-place gradient accumulation) and eval graph; ``outputs[0]`` is the loss."""
-    shells_to_inputs(forward, [*trainable, *frozen])  # state as graph inputs before onnxblock copies the graph
-    block = _ExistingLoss()
-    for name in trainable:
-        block.requires_grad(name, True)
-    for name in frozen:
-        block.requires_grad(name, False)
-    with quiet_native_info_logs(), onnxblock.base(forward):
-        block(*outputs)
-    return block.to_model_proto()
-
-
 def _run_options(device: DeviceSpec, shrink_arena: bool) -> ort.RunOptions:
     """``utils.shrink_memory_arena`` on CPU: the arena's free chunks go back to the OS after every run.
 
@@ -222,6 +194,10 @@ class TrainingSession:
         self._eval = self._eval_io = self._eval_out = None  # created by the first eval step (_ensure_eval)
         self._run_options = _run_options(device, shrink_arena)
         self._dump = dump
+
+    def seed_step(self, seed: int) -> None:
+        """Seed this step's Dropout masks: ONNX Runtime's default generator (`_random`)."""
+        ort.set_seed(seed)
 
     def _ensure_eval(self) -> None:
         """Create the eval session on first use: a run that never evaluates never pays for it."""

@@ -17,7 +17,7 @@ from ort_trainer.diagnosis import check_labels, explain_run_errors
 
 from . import _rank_check
 from ._build import Engine
-from ._random import reseed
+from ._random import step_seed
 from ._trainer_state import TrainerState
 
 __all__ = ["check_fetches", "eval_step", "train_step"]
@@ -42,12 +42,12 @@ def train_step(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tenso
     # This step's Dropout masks: a function of (seed, rank, step) only. Horizontal (Megatron) sessions keep
     # ORT's own generator: their replicated regions would need one seed per data-parallel group.
     if getattr(engine.session, "draws_randomness", False):
-        reseed(info.seed, 0 if state.dist is None else state.dist.rank, step)
+        engine.session.seed_step(step_seed(info.seed, 0 if state.dist is None else state.dist.rank, step))
     with explain_run_errors(engine.label_specs, engine.input_shapes, state.model_desc.input_names, inputs, feeds):
         outputs = engine.session.run_train(feeds, (step - 1) % accumulation == 0)
     _rank_check.finish_rank_check(state, pending_check)
     info.step = step
-    if engine.bn_stats:
+    if engine.tracks_batches:
         state.store.batches_tracked += 1
     if step % accumulation == 0:
         info.all_finite = _update(state, engine, _current_lr(state), accumulation, scaler)

@@ -19,12 +19,12 @@ if TYPE_CHECKING:
     from ort_trainer.config.model_desc import ModelDescription
     from ort_trainer.config.options import ORTTrainerOptions
     from ort_trainer.optim.config import OptimizerConfig
-    from ort_trainer.parallel import HorizontalParallel
     from ort_trainer.train_step_info import TrainStepInfo
 
     from ._build import Engine
     from ._distributed import DistributedContext
     from ._session import DeviceSpec
+    from ._sources import ModelParallel
     from ._store import ParamStore
 
 __all__ = ["TrainerState"]
@@ -46,7 +46,8 @@ class TrainerState:
     engine: Engine | None = None  # None until the graphs are built on the first step
     checkpoint_io: CheckpointIO | None = None  # background writer of asynchronous saves, created on the first save
     closed: bool = False
-    horizontal: HorizontalParallel | None = None  # Megatron: this rank's slice, groups and specs (docs/megatron.md)
+    engine_name: str = "onnxblock"  # the graph source chosen at construction (`_sources.choose_engine`)
+    horizontal: ModelParallel | None = None  # Megatron: this rank's slice, groups and specs (docs/megatron.md)
 
     def wait_for_snapshot(self) -> None:
         """An asynchronous save may still be copying the live buffers: wait for that copy (and report its error)."""

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto, helper
 from onnxruntime import SessionOptions
-from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
 from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
@@ -286,6 +285,9 @@ def _backward(forward, types, upstream, params, grad_inputs):
     wanted = set(params) | set(grad_inputs)
     options = SessionOptions()
     with quiet_native_info_logs():
+        # onnxruntime-training's gradient builder: imported here, so that the package imports on stock onnxruntime
+        from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
+
         optimized = get_optimized_model(model.SerializeToString(), wanted, options)
         builder = GradientGraphBuilder(optimized, {_SURROGATE}, wanted, _SURROGATE, options)
         builder.build()

@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-import ort_trainer.engine._session as session_module
+import ort_trainer.engine._onnxblock_graphs as onnxblock_graphs
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.graph._weightless import initializer_data_bytes
 from tests.builders import assert_steps_match_torch_sgd
@@ -39,13 +39,13 @@ def _lm():
 
 def test_onnxblock_gets_a_graph_without_weight_data(monkeypatch):
     seen = []
-    real_base = session_module.onnxblock.base
+    real_base = onnxblock_graphs.onnxblock.base
 
     def recording_base(model, *args, **kwargs):
         seen.append((initializer_data_bytes(model), len(model.graph.initializer), [i.name for i in model.graph.input]))
         return real_base(model, *args, **kwargs)
 
-    monkeypatch.setattr(session_module.onnxblock, "base", recording_base)
+    monkeypatch.setattr(onnxblock_graphs.onnxblock, "base", recording_base)
     model = _lm()
     trainer = ORTTrainer(model, LM_DESC, optim.AdamConfig(lr=1e-3), loss_fn=lm_loss)
     trainer.train_step(*lm_batches(1, vocab=500)[0])
@@ -146,13 +146,13 @@ def test_debug_graph_files_and_extra_postprocess_see_the_weights(tmp_path):
 
 def test_an_onnx_model_is_built_without_copying_its_weights(monkeypatch):
     seen = []
-    real_base = session_module.onnxblock.base
+    real_base = onnxblock_graphs.onnxblock.base
 
     def recording_base(model, *args, **kwargs):
         seen.append(initializer_data_bytes(model))
         return real_base(model, *args, **kwargs)
 
-    monkeypatch.setattr(session_module.onnxblock, "base", recording_base)
+    monkeypatch.setattr(onnxblock_graphs.onnxblock, "base", recording_base)
     torch.manual_seed(2)
     model = MLP()
     x, label = mlp_batches(1)[0]

@@ -25,7 +25,7 @@ import torch
 from onnx import TensorProto, helper
 
 from ort_trainer.config.model_desc import validate_model_desc
-from ort_trainer.engine._session import build_training_graphs
+from ort_trainer.engine._onnxblock_graphs import build_training_graphs
 from ort_trainer.graph import _fp16_support
 from ort_trainer.graph._export import export_torch_model
 from ort_trainer.graph._fp16_support import fp16_support_reasons, model_op_types, provider_fp16_support

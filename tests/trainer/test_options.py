@@ -6,15 +6,21 @@ import importlib
 
 import onnxruntime
 import pytest
-from onnxruntime.training import PropagateCastOpsStrategy
 
 from ort_trainer.amp import DynamicLossScaler
+from ort_trainer.config._sections import default_cast_strategy
 from ort_trainer.config.options import (
     BatchOptions,
     OptionsError,
     OptionTypeError,
     ORTTrainerOptions,
 )
+
+
+def _cast_strategy():
+    """The cast-strategy enum of this runtime: onnxruntime-training's, or the stand-in with its names (stock)."""
+    return type(default_cast_strategy())
+
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +58,7 @@ DEFAULTS = {
         "gelu_recompute": False,
         "transformer_layer_recompute": False,
         "number_recompute_layers": 0,
-        "propagate_cast_ops_config": {"strategy": PropagateCastOpsStrategy.FLOOD_FILL, "level": 1, "allow": []},
+        "propagate_cast_ops_config": {"strategy": _cast_strategy().FLOOD_FILL, "level": 1, "allow": []},
     },
     "utils": {
         "frozen_weights": [],
@@ -61,6 +67,8 @@ DEFAULTS = {
         "run_symbolic_shape_infer": False,
         "share_module_parameters": True,
         "shrink_memory_arena": False,
+        "engine": "auto",
+        "graph_cache": True,
     },
     "debug": {
         "deterministic_compute": False,
@@ -320,7 +328,7 @@ def test_defaults_are_implemented():
         ({"graph_transformer": {"propagate_cast_ops_config": {"level": 2}}}, "propagate_cast_ops_config.level=2"),
         ({"graph_transformer": {"propagate_cast_ops_config": {"allow": ["Add"]}}}, "allow=('Add',)"),
         (
-            {"graph_transformer": {"propagate_cast_ops_config": {"strategy": PropagateCastOpsStrategy.NONE}}},
+            {"graph_transformer": {"propagate_cast_ops_config": {"strategy": _cast_strategy().NONE}}},
             "propagate_cast_ops_config.strategy=",
         ),
         ({"utils": {"memory_efficient_gradient": True}}, "utils.memory_efficient_gradient=True"),
@@ -338,3 +346,4 @@ def test_check_implemented_lists_every_offender():
     with pytest.raises(NotImplementedError) as info:
         options.check_implemented()
     assert "distributed.enable_adasum" in str(info.value) and "utils.memory_efficient_gradient" in str(info.value)
+

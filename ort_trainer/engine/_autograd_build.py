@@ -1,0 +1,133 @@
+"""`build_autograd_engine`: the autograd engine's `Engine`, for a torch module on any ``onnxruntime``.
+
+The graphs come from PyTorch's autograd (`ort_trainer.graph.autograd`): traced in fake mode (no compute,
+the module untouched), exported with the dynamo exporter, cached on disk by graph structure and
+versions (`GraphCache`). They run in a stock ``InferenceSession`` over the same `ParamStore` buffers,
+optimizer, checkpoints and distributed update as the onnxblock engine (`AutogradSession`).
+
+What this engine cannot do yet raises here, naming the engine that can (docs/engines.md): an
+``onnx.ModelProto`` model (there is no PyTorch autograd to ask), mixed precision (fp16 graphs),
+Megatron segments, and ``_internal_use.extra_postprocess`` (it edits the onnxblock forward graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+
+import onnx
+import torch
+
+from ort_trainer.graph.autograd import GraphCache, TracedGraph, graph_cache_from_env, graph_to_onnx, trace_graph
+
+from ._autograd_session import AutogradGraphs, AutogradSession
+from ._build import BuildRequest, Engine, save_debug_graph
+from ._memory import release_freed_memory
+from ._progress import BuildProgress
+
+__all__ = ["build_autograd_engine", "check_autograd_supported"]
+
+_log = logging.getLogger("ort_trainer")
+_ONNXBLOCK = "options={'utils': {'engine': 'onnxblock'}} (needs onnxruntime-training: docs/engines.md)"
+
+
+def check_autograd_supported(
+    model: object, *, mixed_precision: bool, horizontal: bool, extra_postprocess: object | None
+) -> None:
+    """ValueError naming what the autograd engine cannot do yet and the engine that can."""
+    problems = []
+    if isinstance(model, onnx.ModelProto):
+        problems.append("an onnx.ModelProto model (it has no PyTorch autograd to take the gradients from)")
+    if mixed_precision:
+        problems.append("mixed_precision.enabled (fp16 graphs)")
+    if horizontal:
+        problems.append("distributed.horizontal_parallel_size > 1 (Megatron segments)")
+    if extra_postprocess is not None:
+        problems.append("_internal_use.extra_postprocess (it edits the onnxblock engine's forward graph)")
+    if problems:
+        raise ValueError(f"the autograd engine does not support {'; '.join(problems)} yet; use {_ONNXBLOCK}")
+
+
+def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
+    """Trace + export (or load from the graph cache) the training graph, open its session."""
+    check_autograd_supported(
+        request.model,
+        mixed_precision=request.mixed_precision,
+        horizontal=request.horizontal is not None,
+        extra_postprocess=request.extra_postprocess,
+    )
+    store, desc = request.store, request.desc
+    trainable = {name: store.param_views[name] for name in store.layout.names}
+    frozen = dict(store.frozen)
+    first_inputs = dict(zip(desc.input_names, sample_inputs, strict=True))
+    cache = graph_cache_from_env(request.graph_cache)
+    constants: dict[str, torch.Tensor] = {}
+
+    def build(feeds: Mapping[str, torch.Tensor] | None, training: bool) -> AutogradGraphs:
+        inputs = [first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
+        traced = trace_graph(request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training)
+        for name, value in zip(traced.input_names, traced.sample_args, strict=True):
+            if name not in trainable and name not in frozen and name not in desc.input_names:
+                constants.setdefault(name, value.detach().clone())
+        return AutogradGraphs(_exported(traced, cache, request, training), traced)
+
+    progress = BuildProgress(2, "ORTTrainer build (autograd engine)")
+    with progress.phase("trace and export the training graph"):
+        first = build(None, True)
+    save_debug_graph(request, "model_with_gradient_graph_path", first.model)
+    save_debug_graph(request, "model_with_training_graph_path", first.model)
+    store.optimizer.set_idle(first.traced.idle)
+    if first.traced.idle:
+        _log.info("parameters the loss does not reach (never updated): %s", first.traced.idle)
+    with progress.phase("training session"):
+        session = AutogradSession(
+            build,
+            first,
+            trainable,
+            {name: store.grad_views[name] for name in store.layout.names},
+            store.padded_grads,
+            frozen,
+            constants,
+            list(desc.output_names),
+            request.device,
+            request.session_options,
+            request.shrink_arena,
+        )
+        release_freed_memory()
+    progress.close()
+    return Engine(
+        store=store,
+        session=session,
+        eval_model=None,
+        input_dtypes=tuple(t.dtype for t in sample_inputs),
+        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
+        zero_stage=request.zero_stage if store.dist is not None else 0,
+        unused_inputs=first.traced.unused_inputs,
+        output_types={o.name: o.type.tensor_type.elem_type for o in first.model.graph.output},
+        tracks_batches=bool(first.traced.updated),  # BatchNorm statistics are the buffers a forward writes
+    )
+
+
+def _exported(traced: TracedGraph, cache: GraphCache | None, request: BuildRequest, training: bool) -> onnx.ModelProto:
+    """The ONNX graph of ``traced``: from the cache when it holds this key, else exported (and stored)."""
+    if cache is None:
+        return graph_to_onnx(traced)
+    key = cache.key(traced.fingerprint(), {"training": training, "opset": "exporter-default"})
+    lock = cache.building(key)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(lock)
+        except OSError as error:  # a read-only or full cache folder must not stop training
+            _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
+            return graph_to_onnx(traced)
+        model = cache.get(key)
+        if model is not None:
+            _log.info("graph cache: %s graph loaded from %s", "training" if training else "eval", cache.directory)
+            return model
+        model = graph_to_onnx(traced)
+        try:
+            cache.put(key, model)
+        except OSError as error:
+            _log.warning("graph cache %s: could not store the graph (%s)", cache.directory, error)
+        return model

@@ -1,0 +1,237 @@
+"""`AutogradSession`: the autograd engine's graphs, run in a stock ``onnxruntime.InferenceSession``.
+
+The training graph (`graph.autograd`) takes the state and the inputs and returns the ``model_desc``
+outputs, one ``<param>_grad`` per trained parameter and the ``<buffer>_updated`` values of buffers the
+forward writes. As in the onnxblock engine, the state is bound zero-copy once (DLPack views of the flat
+buffers), and a step binds only the user's inputs:
+
+* a step that starts an accumulation window binds every ``<param>_grad`` output to that parameter's view
+  of the flat gradient buffer, so ONNX Runtime writes the gradients where the optimizer reads them;
+* a later micro-step binds them to a scratch flat buffer of the same layout (made on first use, zeroed
+  where no gradient lands) and adds it to the gradient buffer in one vectorised ``add_``;
+* ``<buffer>_updated`` values (BatchNorm running statistics, PyTorch's own update) are copied into the
+  frozen state after the run.
+
+A new shape of a dynamic ``model_desc`` dim is traced and exported again (from the on-disk graph cache
+when it was seen before) and gets its own session; the ``max_shapes`` most recent ones are kept.
+The eval graph is built on the first eval step (or ``save_as_onnx``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import numpy_helper
+
+from ort_trainer.diagnosis import quiet_native_info_logs
+from ort_trainer.graph.autograd import TracedGraph
+
+from ._memory import release_freed_memory
+from ._progress import BuildProgress
+from ._random import draws_randomness
+from ._session import DeviceSpec, _c_ortvalue, _OutputBinding, _run_options, to_ortvalue
+
+__all__ = ["AutogradGraphs", "AutogradSession"]
+
+_log = logging.getLogger("ort_trainer")
+
+
+@dataclass
+class AutogradGraphs:
+    """One input signature's exported graph and what the trainer binds to it."""
+
+    model: onnx.ModelProto
+    traced: TracedGraph
+
+
+class _ShapeSession:
+    """One training (or eval) graph in one InferenceSession, its state bound once."""
+
+    def __init__(self, owner: AutogradSession, graphs: AutogradGraphs, *, training: bool):
+        self.graphs = graphs
+        options, device = owner._session_options, owner._device
+        with quiet_native_info_logs():
+            self.session = ort.InferenceSession(graphs.model.SerializeToString(), options, device.providers)
+        self.io = self.session.io_binding()
+        wanted = {i.name for i in self.session.get_inputs()}
+        self.input_names = wanted
+        for name, tensor in owner._state.items():
+            if name in wanted:
+                self.io.bind_ortvalue_input(name, to_ortvalue(tensor))
+        traced = graphs.traced
+        self.grad_names = [(n, n + "_grad") for n in traced.trained] if training else []
+        self.updated = [(n, n + "_updated") for n in traced.updated] if training else []
+        read = set(owner._user_outputs) | {out for _, out in self.updated}
+        grad_outputs = {out for _, out in self.grad_names}
+        self.out = _OutputBinding(self.session, self.io, device, read - grad_outputs)
+        # the step's random draws (Dropout masks): graph inputs filled before every training run (`fill_random`)
+        self.random = [
+            (spec, torch.empty(spec.shape, dtype=spec.dtype, device=device.torch_device))
+            for spec in traced.random_inputs
+            if spec.name in wanted
+        ]
+        for spec, buffer in self.random:
+            self.io.bind_ortvalue_input(spec.name, to_ortvalue(buffer))
+        self.draws_randomness = bool(self.random) or draws_randomness(graphs.model)
+        self._bound_target: str | None = None  # "grads" or "scratch": where the gradient outputs point now
+
+    def fill_random(self, generator: torch.Generator) -> None:
+        for spec, buffer in self.random:
+            if spec.kind == "normal":
+                buffer.normal_(generator=generator)
+            else:
+                buffer.uniform_(generator=generator)
+
+    def bind_gradients(self, targets: Mapping[str, torch.Tensor], which: str) -> None:
+        if self._bound_target == which:
+            return
+        for name, output in self.grad_names:
+            self.io.bind_ortvalue_output(output, to_ortvalue(targets[name]))
+        self._bound_target = which
+
+
+class AutogradSession:
+    """The autograd engine's sessions over the trainer's buffers (same interface as `TrainingSession`)."""
+
+    def __init__(
+        self,
+        build: Callable[[Mapping[str, torch.Tensor] | None, bool], AutogradGraphs],
+        first: AutogradGraphs,
+        params: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        flat_grads: torch.Tensor,
+        frozen: Mapping[str, torch.Tensor],
+        constants: Mapping[str, torch.Tensor],
+        user_outputs: list[str],
+        device: DeviceSpec,
+        session_options: ort.SessionOptions,
+        shrink_arena: bool = False,
+        max_shapes: int = 4,
+    ):
+        self._build, self._device = build, device
+        self._session_options, self._user_outputs = session_options, list(user_outputs)
+        self._params, self._grads, self._flat_grads = params, grads, flat_grads
+        self._frozen, self._constants = frozen, constants
+        self._state = {**params, **frozen, **constants}
+        self._scratch: torch.Tensor | None = None
+        self._scratch_views: dict[str, torch.Tensor] = {}
+        self._run_options = _run_options(device, shrink_arena)
+        self._max_shapes = max(1, int(max_shapes))
+        self._train: OrderedDict[tuple, _ShapeSession] = OrderedDict()
+        self._eval: OrderedDict[tuple, _ShapeSession] = OrderedDict()
+        self._trimmed = False
+        self._generator = torch.Generator(device=device.torch_device)
+        signature = _first_signature(first.traced)
+        self._train[signature] = _ShapeSession(self, first, training=True)
+        self.draws_randomness = self._train[signature].draws_randomness
+
+    # ---------------------------------------------------------------- the interface `engine._step` uses
+    @property
+    def train_input_names(self) -> list[str]:
+        return [i.name for i in next(iter(self._train.values())).session.get_inputs()]
+
+    @property
+    def eval_model(self) -> onnx.ModelProto:
+        """The eval graph of the first input signature, constants as initializers (``save_as_onnx``)."""
+        if self._eval:  # the most recent eval graph
+            session = next(reversed(self._eval.values()))
+        else:
+            session = self._session_for(self._eval, next(iter(self._train)), training=False, inputs=None)
+        model = onnx.ModelProto()
+        model.CopyFrom(session.graphs.model)
+        names = {i.name for i in model.graph.input}
+        kept = [i for i in model.graph.input if i.name not in self._constants]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+        for name, value in self._constants.items():
+            if name in names:
+                model.graph.initializer.append(numpy_helper.from_array(value.detach().cpu().numpy(), name))
+        return model
+
+    def seed_step(self, seed: int) -> None:
+        """Seed this step's random draws (called before every training run that draws: `engine._step`)."""
+        self._generator.manual_seed(seed)
+
+    def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
+        """One forward + backward; gradients overwrite the buffer (``reset_grad``) or are added to it."""
+        shape = self._session_for(self._train, _signature(inputs), training=True, inputs=inputs)
+        shape.fill_random(self._generator)
+        if reset_grad:
+            shape.bind_gradients(self._grads, "grads")
+        else:
+            shape.bind_gradients(self._scratch_targets(), "scratch")
+        outputs = self._run(shape, inputs)
+        if not reset_grad:
+            self._flat_grads.add_(self._scratch)
+        for name, output in shape.updated:
+            self._frozen[name].copy_(outputs[output])
+        if not self._trimmed:  # the first run's scratch, which glibc would keep resident (see TrainingSession)
+            self._trimmed = True
+            release_freed_memory()
+        return {name: outputs[name] for name in self._user_outputs if name in outputs}
+
+    def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        shape = self._session_for(self._eval, _signature(inputs), training=False, inputs=inputs)
+        outputs = self._run(shape, inputs)
+        return {name: outputs[name] for name in self._user_outputs if name in outputs}
+
+    # ---------------------------------------------------------------- internals
+    def _session_for(self, sessions: OrderedDict, signature: tuple, *, training: bool, inputs) -> _ShapeSession:
+        found = sessions.get(signature)
+        if found is not None:
+            sessions.move_to_end(signature)
+            return found
+        what = "training" if training else "eval"
+        if sessions:
+            _log.info("autograd engine: new input shapes %s, building the %s graph for them", signature, what)
+        progress = BuildProgress(1, f"ORTTrainer {what} graph")
+        with progress.phase(f"{what} graph for input shapes {[list(s) for _, s, _ in signature]}"):
+            graphs = self._build(inputs, training)
+            found = _ShapeSession(self, graphs, training=training)
+        progress.close()
+        sessions[signature] = found
+        while len(sessions) > self._max_shapes:
+            sessions.popitem(last=False)
+        return found
+
+    def _scratch_targets(self) -> dict[str, torch.Tensor]:
+        """Views of a zeroed scratch buffer laid out like the flat gradient buffer (made once)."""
+        if self._scratch is None:
+            self._scratch = torch.zeros_like(self._flat_grads)
+            base, size = self._flat_grads.data_ptr(), self._flat_grads.element_size()
+            for name, view in self._grads.items():
+                offset = (view.data_ptr() - base) // size
+                self._scratch_views[name] = self._scratch[offset : offset + view.numel()].view(view.shape)
+        return self._scratch_views
+
+    def _run(self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        keep_alive = []
+        io = shape.io._iobinding
+        for name, tensor in inputs.items():
+            if name not in shape.input_names:
+                continue
+            tensor = tensor.contiguous()
+            keep_alive.append(tensor)
+            io.bind_ortvalue_input(name, _c_ortvalue(tensor))
+        fresh = shape.out.prepare()
+        shape.session.run_with_iobinding(shape.io, self._run_options)
+        del keep_alive
+        return shape.out.collect(fresh)
+
+
+def _signature(feeds: Mapping[str, torch.Tensor]) -> tuple:
+    """What a graph is specialised on: each fed input's name, shape and dtype."""
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in feeds.items())
+
+
+def _first_signature(traced: TracedGraph) -> tuple:
+    end = len(traced.input_names) - len(traced.random_inputs)
+    names, values = traced.input_names[traced.state_count : end], traced.sample_args[traced.state_count : end]
+    user = dict(zip(names, values, strict=True))
+    return _signature({n: t for n, t in user.items() if n not in traced.unused_inputs})

@@ -1,0 +1,21 @@
+"""Training graphs from PyTorch's own autograd, for the stock ``onnxruntime`` (the ``autograd`` engine).
+
+The onnxblock engine exports the forward graph and lets ONNX Runtime's C++ gradient builder write the
+backward. This package instead asks PyTorch for both: the forward and its backward are traced together
+as one aten graph (``make_fx`` over ``torch.autograd.grad``, in fake mode, with PyTorch's decompositions),
+and that joint graph is exported with the dynamo ONNX exporter into standard ONNX ops only. Any
+``onnxruntime`` runs it, and its gradients are PyTorch's formulas (``padding_idx`` and friends included).
+
+* ``_decompositions``: the aten decompositions the graphs are traced with, and why each is needed;
+* ``_trace``: `trace_graph`, the joint (training) or forward-only (eval) aten graph of a module + loss;
+* ``_to_onnx``: `graph_to_onnx`, the dynamo exporter over a traced graph, named inputs and outputs;
+* ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions.
+"""
+
+from __future__ import annotations
+
+from ._cache import GraphCache, graph_cache_from_env
+from ._to_onnx import graph_to_onnx
+from ._trace import TracedGraph, trace_graph
+
+__all__ = ["GraphCache", "TracedGraph", "graph_cache_from_env", "graph_to_onnx", "trace_graph"]

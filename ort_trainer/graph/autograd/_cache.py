@@ -1,0 +1,155 @@
+"""`GraphCache`: exported training graphs on disk, so that a resume, a restarted job or the next rank
+builds in the time of a trace instead of an export.
+
+Keyed by sha256 of everything that decides the graph: the traced aten code, input names, shapes and
+dtypes, constant values (`TracedGraph.fingerprint`), the build options, and the versions of torch,
+onnxscript, onnx, onnxruntime and ort_trainer; a changed model or library never reuses a stale graph.
+Files are written to a temporary name and renamed (a reader never sees half a file), one process builds
+a given key while the others wait on an ``flock`` (released by the kernel if that process dies), a file
+that does not parse is dropped and rebuilt, and the folder is kept under a size bound by deleting the
+least recently used files. Environment: ``ORT_TRAINER_GRAPH_CACHE=0`` turns it off,
+``ORT_TRAINER_GRAPH_CACHE_DIR`` moves it (default ``$XDG_CACHE_HOME/ort_trainer/graphs``, else
+``~/.cache/ort_trainer/graphs``), ``ORT_TRAINER_GRAPH_CACHE_MB`` bounds it (default 2048).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from importlib import metadata
+from pathlib import Path
+
+import onnx
+
+__all__ = ["GraphCache", "graph_cache_from_env"]
+
+_log = logging.getLogger("ort_trainer")
+_SUFFIX = ".onnx"
+_VERSIONED = ("torch", "onnxscript", "onnx", "onnxruntime", "onnxruntime-training", "onnxruntime-gpu", "ort_trainer")
+
+
+class GraphCache:
+    """A folder of ``<key>.onnx`` files, bounded to ``max_bytes`` (least recently used files go first)."""
+
+    def __init__(self, directory: str | os.PathLike, max_bytes: int = 2048 << 20):
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.directory = Path(directory)
+        self.max_bytes = int(max_bytes)
+
+    @staticmethod
+    def key(fingerprint: str, options: Mapping[str, object]) -> str:
+        """The cache key of a traced graph under build ``options``, with the library versions mixed in."""
+        digest = hashlib.sha256(fingerprint.encode())
+        digest.update(repr(sorted((str(k), repr(v)) for k, v in options.items())).encode())
+        digest.update(repr(_versions()).encode())
+        digest.update(_own_source_digest().encode())  # an editable install changes code without a new version
+        return digest.hexdigest()
+
+    def get(self, key: str) -> onnx.ModelProto | None:
+        """The cached graph, or None (missing, or unreadable: then deleted so that it is rebuilt)."""
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            model = onnx.load_from_string(data)
+            if not model.graph.output:
+                raise ValueError("no outputs")
+        except Exception as error:  # noqa: BLE001 - any unreadable file is a miss, logged
+            _log.warning("graph cache: dropping unreadable %s (%s)", path, error)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # least recently *used*: a hit counts as a use
+        return model
+
+    def put(self, key: str, model: onnx.ModelProto) -> None:
+        """Write atomically (temporary file + rename), then trim the folder to its bound."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        data = model.SerializeToString()
+        fd, temp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(temp, self._path(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        self._trim()
+
+    @contextlib.contextmanager
+    def building(self, key: str) -> Iterator[None]:
+        """Hold the key's lock while building it: other processes building the same graph wait, then hit."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / f"{key}.lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _path(self, key: str) -> Path:
+        if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+            raise ValueError(f"graph cache key must be 64 hex digits, got {key!r}")
+        return self.directory / f"{key}{_SUFFIX}"
+
+    def _trim(self) -> None:
+        entries = []
+        for path in self.directory.glob(f"*{_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                stat = path.stat()
+                entries.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries, key=lambda e: e[0]):
+            if total <= self.max_bytes:
+                break
+            with contextlib.suppress(OSError):
+                path.unlink()
+                path.with_suffix(".lock").unlink(missing_ok=True)
+                total -= size
+                _log.info("graph cache: evicted %s (%d bytes) to stay under %d bytes", path.name, size, self.max_bytes)
+
+
+def graph_cache_from_env(enabled: bool = True) -> GraphCache | None:
+    """The cache the environment asks for (None when ``enabled`` is False or ``ORT_TRAINER_GRAPH_CACHE=0``)."""
+    if not enabled or os.environ.get("ORT_TRAINER_GRAPH_CACHE", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    directory = os.environ.get("ORT_TRAINER_GRAPH_CACHE_DIR")
+    if not directory:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        directory = os.path.join(base, "ort_trainer", "graphs")
+    text = os.environ.get("ORT_TRAINER_GRAPH_CACHE_MB", "2048")
+    try:
+        megabytes = int(text)
+    except ValueError:
+        raise ValueError(f"ORT_TRAINER_GRAPH_CACHE_MB must be an integer number of MiB, got {text!r}") from None
+    return GraphCache(directory, megabytes << 20)
+
+
+@functools.cache
+def _own_source_digest() -> str:
+    """sha256 of this package's source: how a graph is traced and exported is part of the key."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _versions() -> tuple[tuple[str, str], ...]:
+    found = []
+    for name in _VERSIONED:
+        try:
+            found.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            continue
+    return tuple(found)

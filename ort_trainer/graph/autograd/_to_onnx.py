@@ -1,0 +1,99 @@
+"""`graph_to_onnx`: a traced aten graph as an ONNX model of standard ops, through the dynamo exporter.
+
+The exporter (``torch.onnx.export(..., dynamo=True)``, onnxscript's aten library) re-exports the traced
+graph with ``torch.export`` and translates each aten op; its own graph optimizer folds constants and
+removes dead code. Inputs and outputs get the names the trainer binds (state names, ``model_desc``
+names, ``<param>_grad``). The exporter's progress prints and warnings are kept out of the user's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import warnings
+
+import onnx
+import torch
+
+from ._trace import TracedGraph, TraceError
+
+__all__ = ["graph_to_onnx"]
+
+_NOISY_LOGGERS = (
+    "onnx_ir",
+    "torch.onnx",
+    "torch.export",
+    "torch._export",
+    "onnxscript",
+    "torch.fx.experimental.symbolic_shapes",
+)
+
+
+def graph_to_onnx(traced: TracedGraph) -> onnx.ModelProto:
+    """Export ``traced`` with named inputs/outputs; `TraceError` naming the op the exporter cannot translate."""
+    with _quiet():
+        try:
+            program = torch.onnx.export(
+                traced.module,
+                traced.sample_args,
+                input_names=traced.input_names,
+                output_names=traced.output_names,
+                dynamo=True,
+                optimize=True,
+                verbose=False,
+                report=False,
+            )
+        except Exception as error:  # noqa: BLE001 - the exporter's errors are long; name the op and the way out
+            ops = sorted(set(re.findall(r"OpOverload\(op='([^']+)'", _all_messages(error))))
+            what = (
+                f"no ONNX translation for {', '.join(ops)}" if ops else f"{type(error).__name__}: {_first_line(error)}"
+            )
+            raise TraceError(
+                f"the dynamo ONNX exporter could not translate the traced graph ({what}). "
+                "An aten op without an ONNX translation can be given one with onnxscript "
+                "(torch.onnx.export's custom_translation_table), or train this model with "
+                "options={'utils': {'engine': 'onnxblock'}} where onnxruntime-training is installed"
+            ) from error
+    model = program.model_proto
+    _check_names(model, traced)
+    return model
+
+
+def _all_messages(error: BaseException) -> str:
+    """The messages of ``error`` and of the errors it was raised from."""
+    parts, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        parts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return "\n".join(parts)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _check_names(model: onnx.ModelProto, traced: TracedGraph) -> None:
+    """The exporter keeps our output names; an input it dropped (unused) is simply not fed."""
+    got = [o.name for o in model.graph.output]
+    if got != traced.output_names:
+        raise TraceError(f"the exported graph has outputs {got}, expected {traced.output_names}")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """No exporter progress on stdout, no warnings about training mode, exporter loggers at ERROR."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

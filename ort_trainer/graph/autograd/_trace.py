@@ -1,0 +1,264 @@
+"""`trace_graph`: the aten graph of one training (forward + backward) or eval (forward) run of a module.
+
+The model's state enters as explicit inputs through ``torch.func.functional_call``, so the traced graph
+takes (trainable parameters, frozen float state, other buffers, the ``model_desc`` inputs) and nothing
+of the user's module is read or changed while tracing, beyond switching its train/eval mode (restored
+afterwards). Tracing is ``make_fx`` in fake mode: no real computation runs, no memory for activations
+is allocated, and torch's random generator is not advanced.
+
+Training graphs return ``(model_desc outputs..., <param>_grad..., <buffer>_updated...)``: the backward
+is ``torch.autograd.grad`` of the loss, traced below the dispatcher as AOTAutograd does, so its formulas
+are PyTorch's own (``padding_idx``, ``ignore_index``, ``no_grad`` regions, ``detach`` and custom
+``autograd.Function`` backward included). A trainable parameter the loss does not reach gets no output
+(``TracedGraph.idle``): like a torch parameter whose ``grad`` stays ``None``, it is never updated.
+Float buffers that the forward writes in place (BatchNorm's running statistics) come back as
+``<name>_updated`` outputs, computed by PyTorch's own update (unbiased running variance included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ort_trainer.config.model_desc import ModelDescription
+from ort_trainer.graph._forward import ModelWithLoss, OutputContractError, OutputContractTypeError
+from ort_trainer.graph._names import outer_module, plain_module
+
+from ._decompositions import training_decompositions
+from ._random import RandomInput, lift_random_ops
+
+__all__ = ["GRAD_SUFFIX", "UPDATED_SUFFIX", "TracedGraph", "trace_graph"]
+
+GRAD_SUFFIX = "_grad"  # output "<param>_grad": the parameter's gradient
+UPDATED_SUFFIX = "_updated"  # output "<buffer>_updated": a float buffer's value after the forward
+_PREFIX = "model."  # ModelWithLoss holds the module as `model`
+_LIBRARY_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[2]))
+
+
+@dataclass
+class TracedGraph:
+    """A traced aten graph and what ties its inputs and outputs to the trainer's names."""
+
+    module: torch.fx.GraphModule
+    input_names: list[str]  # trainable, frozen, constants (buffers that are not float), model_desc inputs
+    output_names: list[str]  # model_desc outputs, then <param>_grad, then <buffer>_updated
+    sample_args: tuple[torch.Tensor, ...]  # real tensors, in input order (the exporter's example inputs)
+    trained: list[str] = field(default_factory=list)  # parameters with a gradient output
+    idle: list[str] = field(default_factory=list)  # trainable parameters the loss does not reach
+    updated: list[str] = field(default_factory=list)  # float buffers written by the forward
+    unused_inputs: tuple[str, ...] = ()  # model_desc inputs the graph never reads
+    state_count: int = 0  # the first `state_count` inputs are state, then the model_desc inputs
+    random_inputs: list[RandomInput] = field(default_factory=list)  # last inputs: the step's random draws
+
+    def fingerprint(self) -> str:
+        """sha256 of what decides the exported graph: the code, input names/shapes/dtypes, output names,
+        and the values of tensor constants baked into the graph."""
+        digest = hashlib.sha256(self.module.code.encode())
+        digest.update(repr((self.input_names, self.output_names)).encode())
+        for arg in self.sample_args:
+            digest.update(repr((tuple(arg.shape), str(arg.dtype))).encode())
+        for name, buffer in sorted(self.module.named_buffers()):
+            digest.update(name.encode())
+            digest.update(buffer.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for node in self.module.graph.nodes:
+            if node.op == "get_attr":
+                value = getattr(self.module, str(node.target), None)
+                if isinstance(value, torch.Tensor):
+                    digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+
+class TraceError(ValueError):
+    """The module could not be traced into one graph (data-dependent control flow, an untraceable op...)."""
+
+
+def trace_graph(
+    model: torch.nn.Module,
+    loss_fn: Callable | None,
+    desc: ModelDescription,
+    trainable: Mapping[str, torch.Tensor],
+    frozen: Mapping[str, torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    *,
+    training: bool,
+) -> TracedGraph:
+    """Trace ``model`` (+ ``loss_fn``) with its state given as tensors, named by canonical names.
+
+    ``trainable`` / ``frozen``: canonical name -> tensor (the trainer's views; only shapes and dtypes are
+    read). Buffers that are not float (position ids, ``num_batches_tracked``) are taken from the module.
+    ``training``: the joint forward + backward graph in train mode, else the forward in eval mode.
+    """
+    with plain_module(outer_module(model)) as plain, _modes_restored(plain):
+        wrapper = ModelWithLoss(plain, loss_fn, desc).train(training)
+        known = set(trainable) | set(frozen)
+        constants = {n: b for n, b in plain.named_buffers() if n not in known and not b.is_floating_point()}
+        names = [*trainable, *frozen, *constants]
+        clash = sorted(set(names) & set(desc.input_names))
+        if clash:
+            raise ValueError(f"model_desc inputs {clash} have the names of model state; rename the inputs")
+        sample = (*trainable.values(), *frozen.values(), *constants.values(), *inputs)
+        function, result = _graph_function(wrapper, desc, list(trainable), list(frozen), list(constants), training)
+        with _explained(wrapper, "training" if training else "eval"), torch.enable_grad(), _math_attention():
+            module = make_fx(function, decomposition_table=training_decompositions(), tracing_mode="fake")(*sample)
+    random_inputs: list[RandomInput] = []
+    if training:
+        result["updated"] = _keep_written(module, list(frozen))
+        random_inputs = lift_random_ops(module)
+    outputs = list(desc.output_names)
+    if training:
+        outputs += [n + GRAD_SUFFIX for n in result["trained"]] + [n + UPDATED_SUFFIX for n in result["updated"]]
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    given = [*names, *desc.input_names]
+    unused = tuple(
+        name
+        for name, node in zip(given, placeholders[: len(given)], strict=True)
+        if name in desc.input_names and not node.users
+    )
+    device = inputs[0].device if inputs else torch.device("cpu")
+    draws = tuple(torch.rand(r.shape, dtype=r.dtype, device=device) for r in random_inputs)
+    return TracedGraph(
+        module=module,
+        input_names=[*names, *desc.input_names, *(r.name for r in random_inputs)],
+        output_names=outputs,
+        sample_args=tuple(t.detach() for t in sample) + draws,
+        trained=result["trained"],
+        idle=[n for n in trainable if n not in result["trained"]],
+        updated=result["updated"],
+        unused_inputs=unused,
+        state_count=len(names),
+        random_inputs=random_inputs,
+    )
+
+
+def _graph_function(wrapper, desc: ModelDescription, trainable, frozen, constants, training: bool):
+    """The function make_fx traces, and a dict it fills while tracing (which outputs the graph has)."""
+    counts = (len(trainable), len(frozen), len(constants))
+    result: dict[str, list[str]] = {"trained": [], "updated": []}
+
+    def run(*args):
+        params, rest = args[: counts[0]], args[counts[0] :]
+        frozen_values, rest = rest[: counts[1]], rest[counts[1] :]
+        constant_values, inputs = rest[: counts[2]], rest[counts[2] :]
+        leaves = [p.detach().requires_grad_(training) for p in params]
+        frozen_copies = [t.clone() for t in frozen_values]  # written in place by BatchNorm: returned as outputs
+        state = {_PREFIX + n: t for n, t in zip(trainable, leaves, strict=True)}
+        state.update({_PREFIX + n: t for n, t in zip(frozen, frozen_copies, strict=True)})
+        state.update({_PREFIX + n: t.clone() for n, t in zip(constants, constant_values, strict=True)})
+        with contextlib.nullcontext() if training else torch.no_grad():
+            outputs = functional_call(wrapper, state, tuple(inputs), strict=False)
+        outputs = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
+        if len(outputs) != len(desc.output_names):
+            raise OutputContractError(
+                f"the model (with loss_fn: the loss followed by the model's predictions) returned {len(outputs)} "
+                f"outputs, but model_desc declares {len(desc.output_names)}: {list(desc.output_names)}"
+            )
+        if not training:
+            return tuple(outputs)
+        loss = outputs[desc.loss_index]
+        if not loss.requires_grad:
+            raise ValueError(
+                f"the loss does not depend on any trainable parameter {list(trainable)}; check that the loss "
+                "depends on them (and that they are not all frozen)"
+            )
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        result["trained"] = [n for n, g in zip(trainable, grads, strict=True) if g is not None]
+        detached = [o.detach() for o in outputs]
+        return (*detached, *[g for g in grads if g is not None], *frozen_copies)  # unchanged ones: `_keep_written`
+
+    return run, result
+
+
+def _keep_written(module: torch.fx.GraphModule, frozen: list[str]) -> list[str]:
+    """Drop the frozen-state outputs the forward did not write; the names of those it did, in order.
+
+    Each frozen tensor enters the graph as a ``clone`` of its placeholder, and make_fx returns the last
+    node that produced it: the clone itself when nothing wrote to it, an in-place op (BatchNorm's ``copy_``)
+    when something did. (Version counters cannot tell: make_fx records in-place ops without bumping them.)
+    """
+    output = next(n for n in module.graph.nodes if n.op == "output")
+    values = list(output.args[0])
+    first = len(values) - len(frozen)
+    kept, written = values[:first], []
+    for name, node in zip(frozen, values[first:], strict=True):
+        untouched = node.op == "call_function" and node.target == torch.ops.aten.clone.default
+        if not (untouched and node.args[0].op == "placeholder"):
+            kept.append(node)
+            written.append(name)
+    output.args = (tuple(kept),)
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    return written
+
+
+@contextlib.contextmanager
+def _math_attention() -> Iterator[None]:
+    """``scaled_dot_product_attention`` as its math (matmul, softmax) above autograd.
+
+    The fused CPU/CUDA kernels (flash, memory-efficient) reach the trace as single ops whose backward ops
+    have no ONNX translation; the math backend decomposes before autograd sees it, so the backward is
+    made of ordinary ops, as with eager attention.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+@contextlib.contextmanager
+def _modes_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Put every submodule's train/eval mode back as it was (tracing switches them)."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+@contextlib.contextmanager
+def _explained(wrapper: torch.nn.Module, what: str) -> Iterator[None]:
+    """Tracing failures as a `TraceError` naming the user's line and the way out; our own errors pass."""
+    try:
+        yield
+    except (OutputContractError, OutputContractTypeError, TraceError):
+        raise
+    except ValueError as error:
+        if "does not depend on any trainable parameter" in str(error) or "model_desc" in str(error):
+            raise
+        raise _trace_error(wrapper, what, error) from error
+    except Exception as error:  # noqa: BLE001 - every tracing failure gets the same explanation
+        raise _trace_error(wrapper, what, error) from error
+
+
+def _trace_error(wrapper: torch.nn.Module, what: str, error: Exception) -> TraceError:
+    where = _user_frame(error)
+    name = type(wrapper.model).__name__
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    hint = (
+        "Python control flow that depends on tensor values (if/while on a tensor, .item(), .tolist(), "
+        "data-dependent shapes) cannot be traced into one graph: compute it with tensor ops (torch.where, "
+        "masking), or train this model with options={'utils': {'engine': 'onnxblock'}} where "
+        "onnxruntime-training is installed"
+    )
+    return TraceError(
+        f"the autograd engine could not trace the {what} graph of {name}{f' at {where}' if where else ''}: "
+        f"{type(error).__name__}: {first}. {hint}"
+    )
+
+
+def _user_frame(error: BaseException) -> str:
+    """``file:line (code)`` of the innermost frame outside torch and ort_trainer, if any."""
+    found = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        if frame.filename.startswith(_LIBRARY_DIRS) or frame.filename.startswith("<"):
+            continue
+        found = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return found
