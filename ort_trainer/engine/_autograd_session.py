@@ -30,7 +30,7 @@ import torch
 from onnx import numpy_helper
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph.autograd import TracedGraph
+from ort_trainer.graph.autograd import TracedGraph, TraceError
 
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
@@ -57,7 +57,15 @@ class _ShapeSession:
         self.graphs = graphs
         options, device = owner._session_options, owner._device
         with quiet_native_info_logs():
-            self.session = ort.InferenceSession(graphs.model.SerializeToString(), options, device.providers)
+            try:
+                self.session = ort.InferenceSession(graphs.model.SerializeToString(), options, device.providers)
+            except Exception as error:  # noqa: BLE001 - ONNX Runtime's load errors are one class (Fail/InvalidGraph)
+                raise TraceError(
+                    f"ONNX Runtime {ort.__version__} cannot load the exported {'training' if training else 'eval'} "
+                    f"graph: {str(error).strip().splitlines()[0]}. This is a fault of the exporter's translation of "
+                    "an op (the node's name says which); train this model with options={'utils': {'engine': "
+                    "'onnxblock'}} where onnxruntime-training is installed (docs/engines.md)"
+                ) from error
         self.io = self.session.io_binding()
         wanted = {i.name for i in self.session.get_inputs()}
         self.input_names = wanted

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
+from ort_trainer.graph.autograd import TraceError
 from tests.zoo.architectures import ARCHITECTURES, Architecture, mixtral
 
 pytestmark = pytest.mark.zoo
@@ -28,6 +29,22 @@ LR, DECAY, EPS = 1e-3, 0.01, 1e-5  # eps 1e-5: see tests/test_interop_hf.py
 # another order than torch's alpha-beta gradient; the losses (~280, reduction "sum") agree to 1e-7 relative
 WEIGHT_ATOL = {"clip": 5e-5, "wav2vec2-ctc": 1e-4}
 AUTOGRAD_WEIGHT_ATOL: dict[str, float] = {}  # the autograd engine's gradients are torch's formulas
+# What the autograd engine cannot train yet (torch 2.13, onnxscript 0.7.2, onnxruntime 1.31.1), each refused at the
+# first step with the error a user gets (docs/engines.md): the exporter has no ONNX translation for
+# convolution_backward; Mixtral's expert loop and Wav2Vec2-CTC's label check are Python control flow on tensor
+# values; BART/T5's shift_tokens_right assignment is exported as a Scatter that ONNX Runtime refuses to load.
+_CONV = r"no ONNX translation for aten\.convolution_backward.*'engine': 'onnxblock'"
+_LOAD = r"ONNX Runtime .* cannot load the exported training graph.*'engine': 'onnxblock'"
+AUTOGRAD_REFUSED = {
+    "clip": _CONV,
+    "vit": _CONV,
+    "wav2vec2": _CONV,
+    "whisper": _CONV,
+    "mixtral": r"could not trace the training graph of MixtralForCausalLM at .*for expert_idx in expert_hit",
+    "wav2vec2-ctc": r"could not trace the training graph of Wav2Vec2ForCTC at .*labels\.max\(\)",
+    "bart": _LOAD,
+    "t5": _LOAD,
+}
 
 
 # Both engines, on every architecture: the onnxblock one only where onnxruntime-training is installed.
@@ -63,6 +80,10 @@ def test_the_architecture_trains_like_torch(name, engine):
     model = arch.build()
     reference = copy.deepcopy(model)
     trainer = _trainer(model, arch, engine)
+    if engine == "autograd" and name in AUTOGRAD_REFUSED:
+        with pytest.raises(TraceError, match=AUTOGRAD_REFUSED[name]):
+            trainer.train_step(*batches[0])
+        return
     losses = [trainer.train_step(*batch).item() for batch in batches]
     expected = _torch_losses(reference, arch, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), atol=1e-5, rtol=1e-5)

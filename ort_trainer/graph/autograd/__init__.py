@@ -16,6 +16,6 @@ from __future__ import annotations
 
 from ._cache import GraphCache, graph_cache_from_env
 from ._to_onnx import graph_to_onnx
-from ._trace import TracedGraph, trace_graph
+from ._trace import TracedGraph, TraceError, trace_graph
 
-__all__ = ["GraphCache", "TracedGraph", "graph_cache_from_env", "graph_to_onnx", "trace_graph"]
+__all__ = ["GraphCache", "TraceError", "TracedGraph", "graph_cache_from_env", "graph_to_onnx", "trace_graph"]

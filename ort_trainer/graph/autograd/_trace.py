@@ -99,7 +99,9 @@ def trace_graph(
     with plain_module(outer_module(model)) as plain, _modes_restored(plain):
         wrapper = ModelWithLoss(plain, loss_fn, desc).train(training)
         known = set(trainable) | set(frozen)
-        constants = {n: b for n, b in plain.named_buffers() if n not in known and not b.is_floating_point()}
+        # every other buffer (ints, and float buffers outside the state dict: non-persistent ones such as rotary
+        # inv_freq) enters as an input too, so that tracing never touches a real tensor of the module
+        constants = {n: b for n, b in plain.named_buffers() if n not in known}
         names = [*trainable, *frozen, *constants]
         clash = sorted(set(names) & set(desc.input_names))
         if clash:
