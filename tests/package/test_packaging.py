@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from ort_trainer._package.runtimes import installed_runtimes
 from tests.paths import REPO
 
 pytestmark = pytest.mark.processes  # every test here starts other processes
@@ -145,12 +146,18 @@ def test_wheel_metadata_declares_ranges_extras_license_and_types(wheel):
     runtime = {r.name: r.specifier for r in requirements if r.marker is None}
     assert runtime["torch"].contains("2.13.0") and runtime["torch"].contains("2.14.1")
     assert not runtime["torch"].contains("2.15.0") and not runtime["torch"].contains("2.12.0")
-    assert str(runtime["onnxruntime-training"]) == "==1.19.2" and str(runtime["onnx"]) == "==1.17.0"
-    for name, spec in runtime.items():  # ranges, not pins, for everything that is not known to break
-        if name not in ("onnxruntime-training", "onnx"):
-            assert ">=" in str(spec) and "==" not in str(spec), (name, spec)
+    training = "onnxruntime-training" in installed_runtimes()  # built here: setup.py looked at this environment
+    if training:  # the runtime already installed is kept: no second one over it
+        assert "onnxruntime" not in runtime and "onnxruntime-training" not in runtime, runtime
+    else:
+        assert runtime["onnxruntime"].contains("1.31.1") and not runtime["onnxruntime"].contains("1.19.2")
+    assert runtime["onnx"].contains("1.17.0") and runtime["onnx"].contains("1.23.2")
+    assert runtime["onnxscript"].contains("0.7.2")
+    for name, spec in runtime.items():  # ranges, not pins
+        assert ">=" in str(spec) and "==" not in str(spec), (name, spec)
+    lock = REPO / ("requirements-onnxblock.txt" if training else "requirements.txt")
     pinned = dict(
-        line.split("==") for line in (REPO / "requirements.txt").read_text().splitlines() if "==" in line
+        line.split("==") for line in lock.read_text().splitlines() if "==" in line
     )  # the lock file CI installs must satisfy every range
     for name, spec in runtime.items():
         assert spec.contains(pinned[name].strip(), prereleases=True), (name, spec, pinned[name])
@@ -214,7 +221,9 @@ def test_installed_wheel_has_version_info_command_and_typed_marker(wheel, tmp_pa
     info = subprocess.run([str(python), "-m", "ort_trainer"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert info.returncode == 0, info.stderr
     assert info.stdout.startswith(f"ort_trainer {version} (") and "site-packages" in info.stdout.splitlines()[0]
-    for line in ("torch 2.", "onnxruntime-training 1.19.2", "onnx 1.17.0", "CPUExecutionProvider", "threads: "):
+    runtimes = [f"{name} {version}" for name, version in installed_runtimes().items()]
+    expected = ("torch 2.", *runtimes, "onnx 1.17.0", "onnxscript 0.7.2", "CPUExecutionProvider", "threads: ", "engine (")
+    for line in expected:
         assert line in info.stdout, info.stdout
     typed = subprocess.run(
         [
