@@ -222,7 +222,8 @@ def test_installed_wheel_has_version_info_command_and_typed_marker(wheel, tmp_pa
     assert info.returncode == 0, info.stderr
     assert info.stdout.startswith(f"ort_trainer {version} (") and "site-packages" in info.stdout.splitlines()[0]
     runtimes = [f"{name} {version}" for name, version in installed_runtimes().items()]
-    expected = ("torch 2.", *runtimes, "onnx 1.17.0", "onnxscript 0.7.2", "CPUExecutionProvider", "threads: ", "engine (")
+    expected = ("torch 2.", *runtimes, "onnx 1.17.0", "onnxscript 0.7.2", "CPUExecutionProvider", "threads: ")
+    expected += ("engine (utils.engine='auto'): ",)
     for line in expected:
         assert line in info.stdout, info.stdout
     typed = subprocess.run(

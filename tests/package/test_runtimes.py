@@ -1,4 +1,5 @@
-"""Exactly one ONNX Runtime package: what `setup.py` requires where, and the refusal of two installed over each other."""
+"""Exactly one ONNX Runtime package: what `setup.py` requires where, and the refusal of two installed over
+each other."""
 
 from __future__ import annotations
 
