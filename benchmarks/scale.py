@@ -16,7 +16,9 @@ CPU kernel.
 Contenders: pytorch / pytorch_sdpa (eager, ``attn_implementation`` eager / sdpa), compile
 (``torch.compile`` of the model, eager attention), ort_trainer (ORTTrainer, eager attention, its
 defaults), ort_trainer_shrink (with ``utils.shrink_memory_arena``), ort_trainer_keep (the legacy memory
-settings: the module keeps its own weights, the arena is kept), ort_api (the bare
+settings: the module keeps its own weights, the arena is kept), ort_onnxblock / ort_autograd (ORTTrainer
+with each engine by name; ort_autograd builds with an empty graph cache, ort_autograd_warm after it from
+the cache it filled, as a resumed job does), ort_api (the bare
 ``onnxruntime.training.api`` loop on the same graph and rewrites). Threads:
 ``torch.set_num_threads(--threads)`` = ORT intra-op threads; without --threads, each library's default
 (ORTTrainer: one thread per core).
@@ -41,9 +43,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +72,9 @@ CONTENDERS = (
     "ort_trainer_keep",
     "ort_trainer_pattern",
     "ort_trainer_nopattern",
+    "ort_onnxblock",
+    "ort_autograd",
+    "ort_autograd_warm",
     "ort_api",
 )
 # ORTTrainer variants: its defaults, and each memory setting forced on / off
@@ -76,7 +84,12 @@ ORT_TRAINER_UTILS = {
     "ort_trainer_keep": {"shrink_memory_arena": False, "share_module_parameters": False},
     "ort_trainer_pattern": {},  # ONNX Runtime's memory pattern on (session option)
     "ort_trainer_nopattern": {},  # and off
+    "ort_onnxblock": {"engine": "onnxblock"},  # the engines by name (ort_trainer: "auto")
+    "ort_autograd": {"engine": "autograd"},  # its graph cache emptied first: a cold build
+    "ort_autograd_warm": {"engine": "autograd"},  # the same cache, filled by ort_autograd: a resume's build
 }
+# the autograd contenders' graph cache: one folder per run of this script, shared by its children
+_CACHE_ENV = "ORT_TRAINER_GRAPH_CACHE_DIR"
 DEFAULT_CONTENDERS = "pytorch,pytorch_sdpa,ort_trainer"
 SECTIONS = ("speed", "memory", "build")
 
@@ -182,6 +195,8 @@ def print_speed(rows: dict) -> None:
 
 def child(args) -> None:
     """Build one contender alone, run --mem-steps steps; print its build time and RSS as JSON."""
+    if args.child == "ort_autograd" and os.environ.get(_CACHE_ENV):
+        shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)  # a cold build: nothing cached
     step, keep, seconds = build(args.child, args)
     batches = scale_spec(args.model, args.batch).batches(2)
     times = []
@@ -248,6 +263,7 @@ def main(argv=None) -> int:
         child(args)
         return 0
     sections = args.sections.split(",")
+    os.environ.setdefault(_CACHE_ENV, tempfile.mkdtemp(prefix="scale_graph_cache_"))  # never the user's cache
     spec = scale_spec(args.model, args.batch)
     print(host_stamp())
     print(

@@ -38,8 +38,86 @@ def training_decompositions() -> dict:
         )
     )
     table[_aten.empty_permuted.default] = _empty_permuted
+    table[_aten.convolution_backward.default] = _convolution_backward
+    table[_aten._weight_norm_interface_backward.default] = _weight_norm_backward
+    table[_aten.copy.default] = _copy
     return table
 
 
 def _empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=None, pin_memory=None):
     return torch.empty(size, dtype=dtype, device=device)
+
+
+def _convolution_backward(
+    grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
+    """``convolution_backward`` (no ONNX translation) as convolutions the exporter has: the input gradient a
+    transposed convolution with the same weight, the weight gradient a grouped convolution of the input with
+    the output gradient (strides and dilations swapped; the formula torch.nn.grad used), the bias gradient a sum.
+    Transposed convolutions are left alone (the exporter then names the op)."""
+    if transposed:
+        return NotImplemented
+    spatial = input.dim() - 2
+    stride, padding, dilation = (list(_expand(v, spatial)) for v in (stride, padding, dilation))
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        kernel = weight.shape[2:]
+        out_padding = [
+            input.shape[2 + i]
+            - ((grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1)
+            for i in range(spatial)
+        ]
+        grad_input = torch.ops.aten.convolution.default(
+            grad_output, weight, None, stride, padding, dilation, True, out_padding, groups
+        )
+    if output_mask[1]:
+        grad_weight = _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups)
+    if output_mask[2]:
+        grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
+    return grad_input, grad_weight, grad_bias
+
+
+def _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups):
+    """Each (sample, input channel) map convolved with the output-gradient maps of its group, as one grouped
+    convolution (strides and dilations swapped), summed over the batch and laid out as the weight."""
+    batch, in_channels = input.shape[0], input.shape[1]
+    out_channels, in_per_group = weight.shape[0], weight.shape[1]
+    out_per_group = out_channels // groups
+    spatial_out, spatial_in = list(grad_output.shape[2:]), list(input.shape[2:])
+    go = grad_output.reshape(batch, groups, 1, out_per_group, *spatial_out)
+    go = go.expand(batch, groups, in_per_group, out_per_group, *spatial_out)
+    go = go.reshape(batch * in_channels * out_per_group, 1, *spatial_out)
+    x = input.reshape(1, batch * in_channels, *spatial_in)
+    result = torch.ops.aten.convolution.default(
+        x, go, None, dilation, padding, stride, False, [0] * len(spatial_out), batch * in_channels
+    )
+    kernel = list(result.shape[2:])
+    result = result.reshape(batch, groups, in_per_group, out_per_group, *kernel).sum(0)
+    result = result.transpose(1, 2).reshape(out_channels, in_per_group, *kernel)
+    for axis, size in enumerate(weight.shape[2:]):
+        result = result.narrow(2 + axis, 0, size)
+    return result
+
+
+def _expand(value, count: int) -> list[int]:
+    value = list(value) if isinstance(value, list | tuple) else [value]
+    return value * count if len(value) == 1 else value
+
+
+def _weight_norm_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    """``_weight_norm_interface_backward`` (no ONNX translation) for ``w = g * v / ||v||``, the norm over every
+    axis but ``dim``: ``grad_g = sum(grad_w * v) / ||v||``, ``grad_v = g / ||v|| * (grad_w - v * grad_g / ||v||)``."""
+    axes = [axis for axis in range(saved_v.dim()) if axis != dim % saved_v.dim()]
+    norms = saved_norms.reshape(saved_g.shape)
+    grad_g = (grad_w * saved_v).sum(axes, keepdim=True) / norms
+    grad_v = (saved_g / norms) * (grad_w - saved_v * (grad_g / norms))
+    return grad_v, grad_g.reshape(saved_g.shape)
+
+
+def _copy(self, src, non_blocking=False):
+    """Functional ``copy(dst, src)``: ``src`` broadcast to ``dst``'s shape in ``dst``'s dtype. The exporter's own
+    ``copy`` keeps the source's shape, and its optimizer then folds a constant with the wrong rank (BART's
+    ``shifted[:, 0] = decoder_start_token_id`` became a 0-d column that ONNX Runtime refuses to load)."""
+    if tuple(src.shape) == tuple(self.shape) and src.dtype == self.dtype and src.device == self.device:
+        return src.clone()
+    return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()

@@ -110,6 +110,10 @@ def trace_graph(
         function, result = _graph_function(wrapper, desc, list(trainable), list(frozen), list(constants), training)
         with _explained(wrapper, "training" if training else "eval"), torch.enable_grad(), _math_attention():
             module = make_fx(function, decomposition_table=training_decompositions(), tracing_mode="fake")(*sample)
+            # functionalised here (in-place writes and views become out-of-place ops, decomposed with the same
+            # table), not by the exporter, whose scatter translations of view writes ONNX Runtime cannot load
+            functional = torch.func.functionalize(module, remove="mutations")
+            module = make_fx(functional, decomposition_table=training_decompositions(), tracing_mode="fake")(*sample)
     random_inputs: list[RandomInput] = []
     if training:
         result["updated"] = _keep_written(module, list(frozen))

@@ -1,0 +1,128 @@
+"""The autograd engine's on-disk graph cache: hits for the same graph, misses for any change, atomic files
+shared by concurrent builders, a size bound, a switch, and rebuilt when a file is damaged."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import onnx
+import pytest
+import torch
+
+from ort_trainer import ORTTrainer, optim
+from ort_trainer.graph.autograd import GraphCache
+from tests.paths import REPO
+
+DESC = {"inputs": [("x", ["batch", 6]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
+
+
+def _trained_loss(hidden=8, batch=4, **utils):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
+    trainer = ORTTrainer(
+        model,
+        DESC,
+        optim.SGDConfig(lr=0.1),
+        loss_fn=torch.nn.functional.cross_entropy,
+        options={"utils": {"engine": "autograd", **utils}},
+    )
+    g = torch.Generator().manual_seed(1)
+    return float(trainer.train_step(torch.randn(batch, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)))
+
+
+def _files(folder):
+    return sorted(p.name for p in folder.glob("*.onnx"))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "graphs"
+    monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE_DIR", str(folder))
+    monkeypatch.delenv("ORT_TRAINER_GRAPH_CACHE", raising=False)
+    return folder
+
+
+def test_the_same_graph_is_loaded_and_any_change_is_a_new_entry(cache_dir, caplog):
+    caplog.set_level(logging.INFO, logger="ort_trainer")
+    first = _trained_loss()
+    assert len(_files(cache_dir)) == 1 and "loaded from" not in caplog.text
+    caplog.clear()
+    assert _trained_loss() == first  # the cached graph computes the same loss
+    assert "graph cache: training graph loaded from" in caplog.text and len(_files(cache_dir)) == 1
+    _trained_loss(hidden=9)  # another model structure
+    _trained_loss(batch=5)  # another input shape
+    assert len(_files(cache_dir)) == 3
+
+
+def test_the_cache_can_be_turned_off(cache_dir, monkeypatch):
+    _trained_loss(graph_cache=False)
+    assert not cache_dir.exists() or not _files(cache_dir)
+    monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE", "0")
+    _trained_loss()
+    assert not cache_dir.exists() or not _files(cache_dir)
+
+
+def test_a_damaged_file_is_dropped_and_rebuilt(cache_dir, caplog):
+    first = _trained_loss()
+    (path,) = cache_dir.glob("*.onnx")
+    path.write_bytes(b"\x08\x07not a model")
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    assert _trained_loss() == first
+    assert "dropping unreadable" in caplog.text
+    onnx.load(path)  # rewritten whole
+
+
+def test_the_folder_stays_under_its_bound_least_recently_used_first(tmp_path):
+    cache = GraphCache(tmp_path, max_bytes=1)
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["y"])],
+            "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        )
+    )
+    size = len(model.SerializeToString())
+    cache.max_bytes = 2 * size
+    keys = [GraphCache.key(str(i), {}) for i in range(3)]
+    cache.put(keys[0], model)
+    cache.put(keys[1], model)
+    assert cache.get(keys[0]) is not None  # used: now the most recent
+    old = time.time() - 100
+    os.utime(tmp_path / f"{keys[1]}.onnx", (old, old))
+    cache.put(keys[2], model)
+    assert cache.get(keys[1]) is None and cache.get(keys[0]) is not None and cache.get(keys[2]) is not None
+    with pytest.raises(ValueError, match="64 hex digits"):
+        cache.get("../etc/passwd")
+    with pytest.raises(ValueError, match="max_bytes must be > 0"):
+        GraphCache(tmp_path, 0)
+
+
+def test_keys_change_with_options_and_versions():
+    assert GraphCache.key("f", {"training": True}) != GraphCache.key("f", {"training": False})
+    assert GraphCache.key("f", {"a": 1}) == GraphCache.key("f", {"a": 1})
+    assert GraphCache.key("f", {}) != GraphCache.key("g", {})
+
+
+@pytest.mark.processes
+def test_processes_building_the_same_graph_at_once_share_one_file(cache_dir):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.engine.test_graph_cache import _trained_loss
+        print("LOSS", _trained_loss())
+        """
+    )
+    runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    assert all(run.returncode == 0 for run in runs), outputs
+    losses = {line for out in outputs for line in out.splitlines() if line.startswith("LOSS")}
+    assert len(losses) == 1, outputs
+    assert len(_files(cache_dir)) == 1
+    assert not list(cache_dir.glob("*.tmp"))
