@@ -17,9 +17,9 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.io import SaveHandle
-from ort_trainer.engine import TrainerState, choose_engine
+from ort_trainer.engine import TrainerState, build_engine, choose_engine
 from ort_trainer.engine._autograd_build import check_autograd_supported
-from ort_trainer.engine._build import BuildRequest, Engine, build_engine, session_options_for
+from ort_trainer.engine._build import BuildRequest, Engine, session_options_for
 from ort_trainer.engine._distributed import DistributedContext
 from ort_trainer.engine._random import agreed_run_seed
 from ort_trainer.engine._session import resolve_device

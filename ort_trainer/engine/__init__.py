@@ -1,8 +1,9 @@
 """Running the graphs: the engine a trainer builds at its first step, and the state it binds.
 
 * ``_store``: ``ParamStore``, the flat parameter / gradient / optimizer buffers (from construction on);
-* ``_sources``: the seams: ``GraphSource`` (where graphs come from: ``choose_engine``) and ``ModelParallel``;
-* ``_build``: ``build_engine`` (``Engine``) hands the build to the chosen source; the onnxblock build;
+* ``_protocols``: the seams: ``GraphSource`` (where graphs come from) and ``ModelParallel``;
+* ``_sources``: the two graph sources, ``choose_engine`` and ``build_engine`` (the chosen source's ``Engine``);
+* ``_build``: ``BuildRequest``, ``Engine`` and the onnxblock build;
 * ``_session``: ``TrainingSession``, IOBinding of the flat buffers (DLPack, no copies) and the runs;
 * ``_onnxblock_graphs``: the gradient graph from onnxruntime-training's onnxblock (imported only by that engine);
 * ``_autograd_build`` / ``_autograd_session``: the autograd engine (graphs from PyTorch's autograd, any
@@ -16,9 +17,10 @@
 
 from __future__ import annotations
 
-from ._build import BuildRequest, Engine, build_engine
+from ._build import BuildRequest, Engine
 from ._distributed import DistributedContext
-from ._sources import ENGINES, GraphSource, ModelParallel, choose_engine, onnxblock_available
+from ._protocols import GraphSource, ModelParallel
+from ._sources import ENGINES, build_engine, choose_engine, onnxblock_available
 from ._store import ParamStore
 from ._trainer_state import TrainerState
 

@@ -1,7 +1,7 @@
 """Turn a torch module or ONNX model into a ready `Engine`: graphs, flat buffers, optimizer, session.
 
 Runs once, on the first `train_step`/`eval_step` (the exporter needs real inputs to trace).
-`build_engine` hands the request to the graph source the trainer chose (`_sources`): the autograd
+`_sources.build_engine` hands the request to the graph source the trainer chose: the autograd
 engine (`_autograd_build`) or the onnxblock engine, whose build is this module's. The onnxblock order:
 export -> graph passes -> onnxblock -> session over the `ParamStore` buffers the trainer made
 at construction (the graph uses a subset of them: unused parameters are never updated). The graphs
@@ -35,14 +35,13 @@ from ort_trainer.graph._weightless import copy_without_data, strip_data, with_va
 
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
+from ._protocols import ModelParallel
 from ._session import DeviceSpec, TrainingSession
-from ._sources import ModelParallel
 from ._store import ParamStore, graph_state_names
 
 __all__ = [
     "BuildRequest",
     "Engine",
-    "build_engine",
     "build_onnxblock_engine",
     "save_debug_graph",
     "session_options_for",
@@ -144,13 +143,6 @@ class BuildRequest:
     horizontal: ModelParallel | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
     engine: str = "onnxblock"  # the graph source (`_sources.choose_engine`): "onnxblock" or "autograd"
     graph_cache: bool = True  # autograd engine: the on-disk cache of exported graphs (utils.graph_cache)
-
-
-def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
-    """The chosen graph source's engine (`_sources.GRAPH_SOURCES`)."""
-    from ._sources import graph_source
-
-    return graph_source(request.engine).build(request, sample_inputs)
 
 
 def build_onnxblock_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:

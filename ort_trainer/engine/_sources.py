@@ -1,4 +1,4 @@
-"""The engine's seams: where training graphs come from, and how model parallelism plugs in.
+"""Where training graphs come from: the two graph sources (`_protocols.GraphSource`) and the choice between them.
 
 Two graph sources build an `Engine` from a `BuildRequest` and the first step's inputs:
 
@@ -8,53 +8,27 @@ Two graph sources build an `Engine` from a `BuildRequest` and the first step's i
   exporter, run by any ``onnxruntime`` (stock 1.2x-1.3x, GPU builds, every Python and platform they ship for).
 
 ``choose_engine("auto")`` takes onnxblock where onnxruntime-training is installed (the engine existing runs
-were built with) and autograd elsewhere. `ModelParallel` is what the engine asks of a model-parallel
-plan (``ort_trainer.parallel.HorizontalParallel`` implements it): the engine names no class above it.
+were built with) and autograd elsewhere. `build_engine` hands a request to the chosen source.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ort_trainer._package.runtimes import runtime_conflict
 
+from ._protocols import GraphSource
+
 if TYPE_CHECKING:
-    import onnx
-
     from ._build import BuildRequest, Engine
-    from ._store import ParamStore
 
-__all__ = ["ENGINES", "GraphSource", "ModelParallel", "choose_engine", "graph_source", "onnxblock_available"]
+__all__ = ["ENGINES", "build_engine", "choose_engine", "graph_source", "onnxblock_available"]
 
 ENGINES = ("auto", "onnxblock", "autograd")
-
-
-class GraphSource(Protocol):
-    """Builds the graphs and sessions of one trainer, over the `ParamStore` it already has."""
-
-    name: str
-
-    def build(self, request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
-        """The ready engine for ``request``, traced/exported with ``sample_inputs`` (the first step's)."""
-        ...
-
-
-class ModelParallel(Protocol):
-    """A model-parallel plan: it builds the session of this rank's segment and knows the global gradient norm."""
-
-    def build_session(
-        self, forward: onnx.ModelProto, trainable: list[str], frozen: list[str], store: ParamStore, request: Any
-    ) -> Any:
-        """A session with `TrainingSession`'s ``run_train``/``run_eval`` over this rank's slice."""
-        ...
-
-    def grad_norm(self, grad_views: Mapping[str, torch.Tensor]) -> float:
-        """The L2 norm of the whole model's gradient (split weights summed over the group)."""
-        ...
 
 
 class _Onnxblock:
@@ -115,3 +89,8 @@ def graph_source(name: str) -> GraphSource:
         return _SOURCES[name]
     except KeyError:
         raise ValueError(f"no graph source {name!r}; known: {sorted(_SOURCES)}") from None
+
+
+def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
+    """The engine of ``request.engine``'s graph source, traced/exported with the first step's inputs."""
+    return graph_source(request.engine).build(request, sample_inputs)

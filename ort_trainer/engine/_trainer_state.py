@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
     from ._build import Engine
     from ._distributed import DistributedContext
+    from ._protocols import ModelParallel
     from ._session import DeviceSpec
-    from ._sources import ModelParallel
     from ._store import ParamStore
 
 __all__ = ["TrainerState"]
