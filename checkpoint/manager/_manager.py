@@ -169,6 +169,8 @@ class CheckpointManager:
             )
         except BaseException:
             self._in_flight.discard(step)  # failed at the call: pruned as unfinished by a later save
+            if rank0:
+                self._forget_refused(step)
             raise
         if rank0:
             handle.add_done_callback(lambda done: self._after_save(done, step))
@@ -181,6 +183,19 @@ class CheckpointManager:
         if self._handle is not None:
             self._handle.wait_unreported()
         self._raise_pending()
+
+    def _forget_refused(self, step: int) -> None:
+        """A save refused at the call (e.g. inside an accumulation window) left nothing of ``step``: take its
+        index entry out again, so that :meth:`restore` does not report it as a save that did not complete."""
+        if step in scan(self.directory.list_names()):
+            return  # something of it was written: pruned as unfinished by a later save
+        try:
+            with self._lock:
+                entries = self._load_entries()
+                if entries.pop(step, None) is not None:
+                    write_index(self._index, entries)
+        except (CheckpointError, OSError) as exc:  # the refusal is what the caller must see
+            logger.warning("could not take step %d out of the index of %s: %s", step, self.directory.display, exc)
 
     def _refuse_lower_step(self, step: int) -> None:
         """A save below the newest checkpoint would be pruned as old (or hidden by it from :meth:`restore`).
