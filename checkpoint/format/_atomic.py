@@ -32,6 +32,7 @@ from h5py import h5d, h5f, h5p
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
 from . import _schema as S
 from ._checksum import CRC32C
+from ._fork_guard import close_written, open_for_write
 from ._h5_index import Node, tree_digest
 from ._header import userblock_size, write_header
 from ._tempfile import LockedTempFile, remove_stale_temp_files, temp_path
@@ -132,7 +133,8 @@ class CheckpointBody:
     def __init__(self, tmp: LockedTempFile, max_leaves: int) -> None:
         self.tmp, self.ub_size = tmp, userblock_size(max_leaves)
         self.raw = RawWriter(tmp.fd)
-        self.file = _create_h5(tmp.path, self.ub_size)
+        # registered for the whole time it is open: a process forked meanwhile must never write into it
+        self.file = open_for_write(lambda: _create_h5(tmp.path, self.ub_size), (tmp.fd,))
         self.root: Node | None = None
 
     def _finish(self) -> None:
@@ -160,7 +162,7 @@ def checkpoint_body(tmp: LockedTempFile, max_leaves: int) -> Iterator[Checkpoint
     except BaseException:
         _close_quietly(body.file)
         raise
-    body.file.close()
+    close_written(body.file)
     write_header(tmp.path, body.ub_size, body.raw.ranges)
     os.fsync(tmp.fd)
 
@@ -168,7 +170,7 @@ def checkpoint_body(tmp: LockedTempFile, max_leaves: int) -> Iterator[Checkpoint
 def _close_quietly(f: h5py.File) -> None:
     """Close after a failure; a second error from HDF5 here would only hide the first one."""
     with contextlib.suppress(Exception):
-        f.close()
+        close_written(f)
 
 
 def fsync_path(path: Path, flags: int) -> None:

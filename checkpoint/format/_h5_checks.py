@@ -17,6 +17,7 @@ Two kinds of checks, both against crafted files (which may carry valid checksums
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -24,7 +25,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s, h5z
 
-from ..errors import CheckpointCorruptError, CheckpointFormatError
+from ..errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
 from . import _schema as S
 from ._codec import bits_dtype_names, numpy_dtype_name
 
@@ -57,16 +58,42 @@ def _type_problem(dtype: np.dtype) -> str | None:
 
 @dataclass
 class StorageCheck:
-    """Per-file state of the scan-time checks: the file (for messages and string lengths) and the budget."""
+    """Per-file state of the scan-time checks: the file (for messages and string lengths) and the budget.
+
+    ``fd`` is the descriptor HDF5 reads the file through: string records are read from that very file,
+    never from the name again (a manager may prune the name, or a save replace it, once it is open).
+    """
 
     filename: str
     file_size: int
-    raw: BinaryIO | None = None  # opened on the first variable-length string dataset
+    fd: int | None = None
+    raw: BinaryIO | None = None  # without ``fd``: opened by name on the first variable-length string dataset
     claimed: int = 0  # bytes the datasets checked so far can produce, in all
 
     def close(self) -> None:
         if self.raw is not None:
             self.raw.close()
+
+    def _read_at(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` of the open file (fewer only at its end)."""
+        if self.fd is not None:
+            pieces, done = [], 0
+            while done < size:
+                piece = os.pread(self.fd, size - done, offset + done)
+                if not piece:
+                    break
+                pieces.append(piece)
+                done += len(piece)
+            return b"".join(pieces)
+        if self.raw is None:
+            try:
+                self.raw = open(self.filename, "rb")  # closed by close()
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"{self.filename}: the checkpoint was removed while it was being read"
+                ) from None
+        self.raw.seek(offset)
+        return self.raw.read(size)
 
     def dataset(self, dsid: h5d.DatasetID, h5path: str) -> tuple[tuple[int, ...] | None, np.dtype]:
         """Refuse or bound one dataset; return (shape or None for an empty dataspace, dtype)."""
@@ -132,10 +159,7 @@ class StorageCheck:
         offset = dsid.get_offset()
         if rest or record not in _VLEN_RECORD_SIZES or offset is None or offset + stored > self.file_size:
             raise CheckpointCorruptError(f"{where}: {stored} bytes of string records for {count} strings")
-        if self.raw is None:
-            self.raw = open(self.filename, "rb")  # closed by close()
-        self.raw.seek(offset)
-        records = np.frombuffer(self.raw.read(stored), dtype=np.uint8)
+        records = np.frombuffer(self._read_at(offset, stored), dtype=np.uint8)
         if records.size != stored:
             raise CheckpointCorruptError(f"{where}: string records end past the end of the file")
         lengths = records.reshape(count, record)[:, :4].copy().view("<u4")

@@ -131,7 +131,7 @@ def scan_file(h5file: h5py.File, filename: str, *, ours: bool, file_size: int, e
     root = Node("/", (), True)
     with h5_guard(filename, "/"):
         root_id = h5g.open(h5file.id, b"/")
-    checks = StorageCheck(filename, file_size)
+    checks = StorageCheck(filename, file_size, fd=_descriptor(h5file))
     try:
         _Scanner(filename, ours, checks, eager_attrs).group(root_id, root, 0)
     finally:
@@ -168,3 +168,12 @@ def tree_digest(root: Node, root_attrs: dict[str, Any]) -> int:
     """CRC-32 of the tree's structure: every path, shape, dtype, our attributes and root attributes."""
     head = [f"{k}={root_attrs.get(k)!r}" for k in S.ROOT_ATTRS if k != S.ATTR_TREE_CRC32]
     return zlib.crc32("\n".join([*head, *_lines(root)]).encode("utf-8"))
+
+
+def _descriptor(h5file: h5py.File) -> int | None:
+    """The descriptor HDF5 reads ``h5file`` through (the sec2 driver's); None for a driver without one."""
+    try:
+        handle = h5file.id.get_vfd_handle()
+    except (RuntimeError, ValueError, TypeError, OSError):
+        return None
+    return handle if isinstance(handle, int) and handle >= 0 else None

@@ -263,6 +263,8 @@ class PartitionInfo:
         _check_keys(tree, (ORIGINAL_DIM_KEY,), optional, PARTITION_INFO_KEY)
         dims = tree[ORIGINAL_DIM_KEY]
         dims = dims.tolist() if is_tensor(dims) or isinstance(dims, np.ndarray) else dims
+        if not isinstance(dims, list | tuple):
+            raise ValueError(f"original_dim: expected a list of sizes (the full shape), got the 0-d value {dims!r}")
         offset = tree.get(PARTITION_OFFSET_KEY)
         flag = tree.get(MEGATRON_ROW_PARTITION_KEY, -1)
         return cls(

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..io._async import SaveHandle
 from ..io._location import LocalLocation, Location, resolve
 from ..io._set_writer import remove_set
@@ -39,6 +39,8 @@ from ._policy import RetentionPolicy, check_metrics
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "Checkpointable", "RestoredCheckpoint"]
+
+_RESCANS = 32  # a restore whose candidates keep being pruned under it scans the directory this often
 
 
 class Checkpointable(Protocol):
@@ -169,6 +171,8 @@ class CheckpointManager:
             )
         except BaseException:
             self._in_flight.discard(step)  # failed at the call: pruned as unfinished by a later save
+            if rank0:
+                self._forget_refused(step)
             raise
         if rank0:
             handle.add_done_callback(lambda done: self._after_save(done, step))
@@ -181,6 +185,19 @@ class CheckpointManager:
         if self._handle is not None:
             self._handle.wait_unreported()
         self._raise_pending()
+
+    def _forget_refused(self, step: int) -> None:
+        """A save refused at the call (e.g. inside an accumulation window) left nothing of ``step``: take its
+        index entry out again, so that :meth:`restore` does not report it as a save that did not complete."""
+        if step in scan(self.directory.list_names()):
+            return  # something of it was written: pruned as unfinished by a later save
+        try:
+            with self._lock:
+                entries = self._load_entries()
+                if entries.pop(step, None) is not None:
+                    write_index(self._index, entries)
+        except (CheckpointError, OSError) as exc:  # the refusal is what the caller must see
+            logger.warning("could not take step %d out of the index of %s: %s", step, self.directory.display, exc)
 
     def _refuse_lower_step(self, step: int) -> None:
         """A save below the newest checkpoint would be pruned as old (or hidden by it from :meth:`restore`).
@@ -204,37 +221,51 @@ class CheckpointManager:
         """Load the newest complete checkpoint (or checkpoint ``step``) into ``trainer``.
 
         Damaged checkpoints are skipped with a warning naming them, and so are saves that never
-        completed. Returns None when the directory holds no checkpoint (a fresh start); raises
-        CheckpointCorruptError when checkpoints exist but none of them loads. On W > 1 ranks all
-        ranks load the checkpoint rank 0 chose, and skip together.
+        completed. A checkpoint pruned while it is being restored (a watcher of a running job) is not
+        damage: the directory is scanned again and the newest checkpoint now there is loaded. Returns None
+        when the directory holds no checkpoint (a fresh start); raises CheckpointCorruptError when
+        checkpoints exist but none of them loads. On W > 1 ranks all ranks load the checkpoint rank 0
+        chose, and skip together.
         """
         self._raise_pending()
         gather = trainer.all_gather_objects
-        candidates = gather(self._candidates(step))[0]
-        skipped = []
-        for info in candidates:
-            error = None
-            try:
-                user_dict = trainer.load_checkpoint(info.path, storage_options=self.storage_options or None)
-            except (CheckpointError, OSError) as exc:  # damage or absence; a wrong model raises on
-                error = f"{type(exc).__name__}: {exc}"
-            errors = [e for e in gather(error) if e is not None]
-            if not errors:
-                return RestoredCheckpoint(info.step, info.path, user_dict, info.metrics)
-            logger.warning("skipping checkpoint %s (step %d): %s", info.path, info.step, errors[0])
-            skipped.append(f"{info.path}: {errors[0]}")
+        skipped: list[str] = []
+        damaged: set[int] = set()
+        for scan_number in range(_RESCANS + 1):
+            candidates = [c for c in gather(self._candidates(step, warn=scan_number == 0))[0] if c.step not in damaged]
+            for info in candidates:
+                outcome = _try_load(trainer, info, self.storage_options)
+                if not isinstance(outcome, _Failure):
+                    return RestoredCheckpoint(info.step, info.path, outcome, info.metrics)
+                if outcome.vanished:  # pruned meanwhile, on every rank that failed: look again
+                    if step is not None:
+                        raise CheckpointNotFoundError(
+                            f"checkpoint step {step} of {self.directory.display} was removed while it was restored"
+                        )
+                    logger.debug("checkpoint %s (step %d) was removed while it was restored", info.path, info.step)
+                    break
+                logger.warning("skipping checkpoint %s (step %d): %s", info.path, info.step, outcome.error)
+                skipped.append(f"{info.path}: {outcome.error}")
+                damaged.add(info.step)
+            else:
+                break  # every candidate was tried
+        else:
+            raise CheckpointNotFoundError(
+                f"the checkpoints of {self.directory.display} were removed {_RESCANS + 1} times in a row while they "
+                "were being restored (pruned faster than they can be loaded); try again"
+            )
         if skipped:
             raise CheckpointCorruptError(
                 f"no checkpoint in {self.directory.display} could be restored:\n  - " + "\n  - ".join(skipped)
             )
         return None
 
-    def _candidates(self, step: int | None) -> list[CheckpointInfo]:
+    def _candidates(self, step: int | None, *, warn: bool = True) -> list[CheckpointInfo]:
         """Complete checkpoints, newest first (only ``step`` if given); warns about saves that never completed."""
         found = self.checkpoints()
         complete = {info.step for info in found}
         newest = max(complete, default=-1)
-        unfinished = [s for s in read_index(self._index) if s not in complete and s > newest]
+        unfinished = [s for s in read_index(self._index) if s not in complete and s > newest] if warn else []
         for s in unfinished:
             logger.warning(
                 "skipping checkpoint %s (step %d): the save did not complete "
@@ -308,3 +339,24 @@ def _complete(location: Location) -> bool:
 def _rank(trainer: Checkpointable) -> int:
     """The trainer's rank (0 for a single process)."""
     return int(trainer.options.distributed.world_rank) if trainer.options.distributed.world_size > 1 else 0
+
+
+class _Failure(NamedTuple):
+    """Why a rank could not load a candidate (the first rank's message), and whether it had vanished
+    on every rank that failed (pruned while it was read: no damage)."""
+
+    error: str
+    vanished: bool
+
+
+def _try_load(trainer: Checkpointable, info: CheckpointInfo, storage_options: Mapping[str, Any]) -> Any:
+    """Load ``info`` on every rank: the user_dict, or a :class:`_Failure` agreed by all ranks."""
+    error, vanished = None, False
+    try:
+        user_dict = trainer.load_checkpoint(info.path, storage_options=storage_options or None)
+    except (CheckpointError, OSError) as exc:  # damage or absence; a wrong model raises on
+        error, vanished = f"{type(exc).__name__}: {exc}", isinstance(exc, FileNotFoundError)
+    failures = [(e, v) for e, v in trainer.all_gather_objects((error, vanished)) if e is not None]
+    if not failures:
+        return user_dict
+    return _Failure(failures[0][0], all(v for _, v in failures))

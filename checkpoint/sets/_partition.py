@@ -324,16 +324,10 @@ class _Planner:
         return [TensorItem(key, shape, dtype, axis, tuple(columns), stride if axis is not None else 1)]
 
     def _local_shape(self, name: str, shape: tuple[int, ...], flag: int, stride: int = 1) -> tuple[Any, int | None]:
-        """(shape held by one h column, Megatron axis or None); (None, None) after a problem."""
+        """(shape held by one h column, Megatron axis or None) of an entry `_check_name_info` accepted."""
         if flag < 0:
             return shape, None
         axis = len(shape) - 1 if flag == 0 else 0
-        if not shape or shape[axis] % (self.H * stride):
-            self.problems.append(
-                f"'{name}': Megatron partition (megatron_row_partition={flag}) of original_dim {list(shape)} "
-                f"cannot be split into horizontal_parallel_size={self.H} parts"
-            )
-            return None, None
         return tuple(d // self.H if i == axis else d for i, d in enumerate(shape)), axis
 
     def _name_info(self, name: str) -> tuple[tuple[int, ...], int] | None | bool:
@@ -355,6 +349,10 @@ class _Planner:
             what = "(original_dim, megatron_row_partition, stride)"
             agreed = self._consensus((S.PARTITION_INFO_KEY, name), values, what)
         if agreed is None:
+            return False
+        problem = _split_problem(*agreed, self.H)
+        if problem is not None:
+            self.problems.append(f"'{S.PARTITION_INFO_KEY}/{name}' on {self.where(entries)}: {problem}")
             return False
         missing = [r for r in range(len(self.flats)) if r not in entries]
         if agreed[1] >= 0 and missing:
@@ -417,6 +415,34 @@ class _Planner:
             )
             return None
         return Pieces(tuple(parts))
+
+
+def _split_problem(shape: tuple[int, ...], flag: int, stride: int, H: int) -> str | None:
+    """Why a Megatron entry (original_dim ``shape``, megatron_row_partition ``flag``, ``stride``) cannot be
+    split into ``H`` parts; None if it can (or is not Megatron partitioned)."""
+    if flag < 0:
+        return None
+    if not shape:
+        return (
+            f"original_dim [] is 0-d: a Megatron partition (megatron_row_partition={flag}) needs an axis to split "
+            "(the full shape of the tensor)"
+        )
+    axis = len(shape) - 1 if flag == 0 else 0
+    size = shape[axis]
+    where = f"axis {axis} of original_dim {list(shape)} (size {size})"
+    if stride > 1 and size % stride:
+        return (
+            f"stride {stride} does not divide {where}: a fused (strided) partition stores its axis as {stride} "
+            "equal blocks, each split across the ranks"
+        )
+    if size % (H * stride):
+        if stride > 1:
+            return (
+                f"{where} is not a multiple of horizontal_parallel_size x stride = {H} x {stride} = {H * stride}: "
+                f"each of the {stride} blocks is split into {H} parts"
+            )
+        return f"{where} is not divisible by horizontal_parallel_size={H}"
+    return None
 
 
 def plan_aggregation(rank_set: RankSet) -> Plan:

@@ -30,7 +30,7 @@ from ._compose import trainer_state_dict
 from ._load import _apply, _validate, load_trainer_state_dict
 from ._stateful import encode_stateful, load_stateful, own_rank_section
 
-__all__ = ["checkpoint_io", "load_trainer_checkpoint", "save_trainer_checkpoint"]
+__all__ = ["check_window_boundary", "checkpoint_io", "load_trainer_checkpoint", "save_trainer_checkpoint"]
 
 
 def save_trainer_checkpoint(
@@ -49,6 +49,8 @@ def save_trainer_checkpoint(
     The previous asynchronous save is waited for first (its error is raised here). With ``async_save``
     the state is copied into a host snapshot and written in the background (see ``checkpoint.io.CheckpointIO``).
     """
+    if include_optimizer_states:
+        check_window_boundary(trainer, path)
     io = checkpoint_io(trainer)
     io.wait()
     if user_dict is not None and not isinstance(user_dict, Mapping):
@@ -74,6 +76,29 @@ def save_trainer_checkpoint(
         distributed_key=(S.DISTRIBUTED_KEY, S.RUN_ID_KEY),
         defer=_updated_by_the_optimizer(trainer),
     )
+
+
+def check_window_boundary(trainer: TrainerState, path: Any) -> None:
+    """Refuse to save a resumable checkpoint inside a gradient accumulation window.
+
+    The gradient accumulated since the window's first micro-step lives only in the trainer's buffer (per
+    rank, not reshardable); a checkpoint does not hold it, so a run resumed from step k with
+    ``k % gradient_accumulation_steps != 0`` would silently apply a different update. The save is refused
+    before anything is touched, on every rank alike (they share the step); docs/reproducibility.md.
+    """
+    accumulation = trainer.options.batch.gradient_accumulation_steps
+    step = trainer.train_step_info.step
+    done = step % accumulation
+    if done:
+        boundary = step - done + accumulation
+        raise ValueError(
+            f"cannot save {path} at step {step}: it is inside "
+            f"a gradient accumulation window (gradient_accumulation_steps={accumulation}: {done} of its "
+            f"{accumulation} micro-steps done). The gradient accumulated so far is not part of a checkpoint, so a "
+            f"run resumed from it would silently take a different update. Save after step {boundary}, when the "
+            "window's update has run, or pass include_optimizer_states=False to save the weights alone (a file "
+            "that cannot resume the run exactly)"
+        )
 
 
 def _updated_by_the_optimizer(trainer: TrainerState):

@@ -8,6 +8,7 @@ exists from construction (`_store.ParamStore`), nothing is ever left pending for
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,8 @@ from . import _ranks
 from ._options import StateDictOptions, resolve_options
 
 __all__ = ["load_trainer_state_dict"]
+
+logger = logging.getLogger("ort_trainer")
 
 _SECTIONS = frozenset(
     {
@@ -283,9 +286,32 @@ def _apply(trainer: TrainerState, plan: Mapping[str, Any]) -> None:
         store.optimizer.load_state_dict(plan["optimizer"], strict=False)
     if "train_step_info" in plan:
         trainer.train_step_info.load_state_dict(plan["train_step_info"])
+        _start_mid_window(trainer)
     store.optimizer.set_update_count(optim_state.update_count_for(trainer.train_step_info.optimization_step))
     if "lr_scheduler" in plan:
         trainer.options.lr_scheduler.load_state_dict(plan["lr_scheduler"])
     if "loss_scaler" in plan:
         trainer.options.mixed_precision.loss_scaler.load_state_dict(plan["loss_scaler"])
     note_load(store)
+
+
+def _start_mid_window(trainer: TrainerState) -> None:
+    """A state loaded at a step inside a gradient accumulation window (saved by an older version, or through
+    ``state_dict()``): the gradient of the window's earlier micro-steps is not in it. The buffer is emptied,
+    so that the window's update uses only the micro-steps after the load, whatever the buffer held (it is
+    reset only at a window's first micro-step); and the user is told."""
+    accumulation = trainer.options.batch.gradient_accumulation_steps
+    step = trainer.train_step_info.step
+    done = step % accumulation
+    if not done:
+        return
+    trainer.store.padded_grads.zero_()
+    logger.warning(
+        "loaded a state saved at step %d, inside a gradient accumulation window (gradient_accumulation_steps=%d: "
+        "%d micro-step(s) of it done): their gradient was not saved, so the update at step %d uses only the "
+        "micro-steps after this load and differs from the original run's",
+        step,
+        accumulation,
+        done,
+        step - done + accumulation,
+    )

@@ -171,3 +171,55 @@ def test_wrong_slice_shape_is_named():
         C.AggregationError, match=r"'model/full_precision/fc1.w': expected shape \(8, 8\) .*got \(8, 4\)"
     ):
         C.aggregate_states(states)
+
+
+# ---- crafted partition_info: the stride and original_dim of a Megatron entry (issue 32, item 7) ----------
+def _crafted_files(tmp_path, name: str, **entry) -> list:
+    """A 2-rank Megatron set whose ``partition_info/<name>`` entry is changed on every rank."""
+    states = copy.deepcopy(megatron.partition(mlp_state(), 2, column=COLUMN, row=ROW))
+    for state in states:
+        state["partition_info"][name].update(entry)
+    return save_ranks(states, tmp_path)
+
+
+def _aggregation_message(paths) -> str:
+    with pytest.raises(C.AggregationError) as info:
+        C.aggregate_checkpoints(paths)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "stride", "expected"),
+    [
+        ("fc1.b", 3, "stride 3 does not divide axis 0 of original_dim [16] (size 16)"),
+        ("fc1.w", 5, "stride 5 does not divide axis 1 of original_dim [8, 16] (size 16)"),
+        ("fc1.b", 16, "axis 0 of original_dim [16] (size 16) is not a multiple of horizontal_parallel_size x stride"),
+    ],
+)
+def test_a_stride_that_does_not_fit_the_axis_names_the_stride_and_the_rank_files(tmp_path, name, stride, expected):
+    message = _aggregation_message(_crafted_files(tmp_path, name, stride=stride))
+    assert f"'partition_info/{name}'" in message and expected in message, message
+    assert "rank 0 (ckpt.rank0-of-2.ortcp)" in message and "rank 1 (ckpt.rank1-of-2.ortcp)" in message, message
+    assert "cannot be split into horizontal_parallel_size" not in message, message
+    assert message.count(expected) == 1, message  # once per name, not once per weight and moment
+
+
+def test_a_0d_original_dim_names_the_entry_and_the_rank_files(tmp_path):
+    message = _aggregation_message(_crafted_files(tmp_path, "fc1.b", original_dim=[]))
+    assert "'partition_info/fc1.b'" in message and "original_dim [] is 0-d" in message, message
+    assert "rank 0 (ckpt.rank0-of-2.ortcp)" in message and "rank 1 (ckpt.rank1-of-2.ortcp)" in message, message
+    assert "horizontal_parallel_size" not in message, message
+
+
+def test_a_scalar_original_dim_is_named_not_a_python_error(tmp_path):
+    message = _aggregation_message(_crafted_files(tmp_path, "fc1.b", original_dim=16))
+    assert "ckpt.rank0-of-2.ortcp: partition_info/fc1.b" in message, message
+    assert "original_dim: expected a list of sizes (the full shape), got the 0-d value 16" in message, message
+    assert "not iterable" not in message, message
+
+
+def test_an_axis_that_horizontal_parallel_size_does_not_divide_names_the_rank_files(tmp_path):
+    message = _aggregation_message(_crafted_files(tmp_path, "fc1.b", original_dim=[15]))
+    assert "'partition_info/fc1.b'" in message, message
+    assert "axis 0 of original_dim [15] (size 15) is not divisible by horizontal_parallel_size=2" in message, message
+    assert "rank 0 (ckpt.rank0-of-2.ortcp)" in message and "rank 1 (ckpt.rank1-of-2.ortcp)" in message, message
