@@ -49,7 +49,7 @@ _ISA_ENV = (
     "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
     "LD_PRELOAD", "GLIBC_TUNABLES",
 )  # fmt: skip
-_PACKAGES = ("torch", "onnxruntime-training", "onnx", "transformers", "numpy")
+_PACKAGES = ("torch", "onnxruntime", "onnxruntime-training", "onnx", "onnxscript", "transformers", "numpy")
 
 
 def _cpu_info() -> tuple[str, set[str]]:
