@@ -30,6 +30,7 @@ __all__ = ["build_autograd_engine", "check_autograd_supported"]
 
 _log = logging.getLogger("ort_trainer")
 _ONNXBLOCK = "options={'utils': {'engine': 'onnxblock'}} (needs onnxruntime-training: docs/engines.md)"
+_METADATA = "ort_trainer.traced"  # the finished graph's names, stored in the cached model (`TracedGraph.metadata`)
 
 
 def check_autograd_supported(
@@ -110,24 +111,33 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
 
 
 def _exported(traced: TracedGraph, cache: GraphCache | None, request: BuildRequest, training: bool) -> onnx.ModelProto:
-    """The ONNX graph of ``traced``: from the cache when it holds this key, else exported (and stored)."""
+    """The ONNX graph of ``traced``: from the cache when it holds this key (the finished graph's names come
+    with it, so the functionalising second trace is skipped), else finished, exported and stored."""
     if cache is None:
-        return graph_to_onnx(traced)
+        return _export(traced)
     key = cache.key(traced.fingerprint(), {"training": training, "opset": "exporter-default"})
-    lock = cache.building(key)
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(lock)
+            stack.enter_context(cache.building(key))
         except OSError as error:  # a read-only or full cache folder must not stop training
             _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
-            return graph_to_onnx(traced)
+            return _export(traced)
         model = cache.get(key)
-        if model is not None:
+        metadata = {p.key: p.value for p in model.metadata_props} if model is not None else {}
+        if _METADATA in metadata:
+            traced.apply_metadata(metadata[_METADATA])
             _log.info("graph cache: %s graph loaded from %s", "training" if training else "eval", cache.directory)
             return model
-        model = graph_to_onnx(traced)
+        model = _export(traced)
         try:
             cache.put(key, model)
         except OSError as error:
             _log.warning("graph cache %s: could not store the graph (%s)", cache.directory, error)
         return model
+
+
+def _export(traced: TracedGraph) -> onnx.ModelProto:
+    traced.finish()
+    model = graph_to_onnx(traced)
+    onnx.helper.set_model_props(model, {_METADATA: traced.metadata()})
+    return model

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,46 @@ class TracedGraph:
     unused_inputs: tuple[str, ...] = ()  # model_desc inputs the graph never reads
     state_count: int = 0  # the first `state_count` inputs are state, then the model_desc inputs
     random_inputs: list[RandomInput] = field(default_factory=list)  # last inputs: the step's random draws
+    _pending: tuple | None = None  # what `finish` still has to do: (description, frozen names, training)
+
+    def finish(self) -> None:
+        """Functionalise (a second trace of the first, in-place writes and views made out-of-place with the same
+        decompositions: the exporter's own scatter translations of view writes are what ONNX Runtime could not
+        load), keep the frozen-state outputs that were written, and lift the random draws into inputs.
+
+        Only needed before an export: a cache hit takes all of it from the cached graph (`apply_metadata`)."""
+        if self._pending is None:
+            return
+        what, frozen, training = self._pending
+        with _explained(what):
+            functional = torch.func.functionalize(self.module, remove="mutations")
+            module = make_fx(functional, decomposition_table=training_decompositions(), tracing_mode="fake")(
+                *self.sample_args
+            )
+        if training:
+            self.updated = _keep_written(module, frozen)
+            self.output_names += [n + UPDATED_SUFFIX for n in self.updated]
+            self.random_inputs = lift_random_ops(module)
+        device = self.sample_args[0].device if self.sample_args else torch.device("cpu")
+        draws = tuple(torch.rand(r.shape, dtype=r.dtype, device=device) for r in self.random_inputs)
+        self.module, self._pending = module, None
+        self.input_names = self.input_names + [r.name for r in self.random_inputs]
+        self.sample_args = self.sample_args + draws
+
+    def metadata(self) -> str:
+        """What a cached graph needs beside the ONNX model to be bound: JSON (`apply_metadata`)."""
+        randoms = [[r.name, list(r.shape), str(r.dtype).removeprefix("torch."), r.kind] for r in self.random_inputs]
+        fields = {"outputs": self.output_names, "updated": self.updated, "random": randoms}
+        return json.dumps({**fields, "inputs": self.input_names})
+
+    def apply_metadata(self, text: str) -> None:
+        """Take the finished graph's names from a cached graph's `metadata` (instead of `finish`)."""
+        data = json.loads(text)
+        self.output_names, self.updated, self.input_names = data["outputs"], data["updated"], data["inputs"]
+        self.random_inputs = [
+            RandomInput(n, tuple(shape), getattr(torch, dtype), kind) for n, shape, dtype, kind in data["random"]
+        ]
+        self._pending = None
 
     def fingerprint(self) -> str:
         """sha256 of what decides the exported graph: the code, input names/shapes/dtypes, output names,
@@ -108,19 +149,12 @@ def trace_graph(
             raise ValueError(f"model_desc inputs {clash} have the names of model state; rename the inputs")
         sample = (*trainable.values(), *frozen.values(), *constants.values(), *inputs)
         function, result = _graph_function(wrapper, desc, list(trainable), list(frozen), list(constants), training)
-        with _explained(wrapper, "training" if training else "eval"), torch.enable_grad(), _math_attention():
+        what = f"the {'training' if training else 'eval'} graph of {type(plain).__name__}"
+        with _explained(what), torch.enable_grad(), _math_attention():
             module = make_fx(function, decomposition_table=training_decompositions(), tracing_mode="fake")(*sample)
-            # functionalised here (in-place writes and views become out-of-place ops, decomposed with the same
-            # table), not by the exporter, whose scatter translations of view writes ONNX Runtime cannot load
-            functional = torch.func.functionalize(module, remove="mutations")
-            module = make_fx(functional, decomposition_table=training_decompositions(), tracing_mode="fake")(*sample)
-    random_inputs: list[RandomInput] = []
-    if training:
-        result["updated"] = _keep_written(module, list(frozen))
-        random_inputs = lift_random_ops(module)
     outputs = list(desc.output_names)
     if training:
-        outputs += [n + GRAD_SUFFIX for n in result["trained"]] + [n + UPDATED_SUFFIX for n in result["updated"]]
+        outputs += [n + GRAD_SUFFIX for n in result["trained"]]
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     given = [*names, *desc.input_names]
     unused = tuple(
@@ -128,19 +162,16 @@ def trace_graph(
         for name, node in zip(given, placeholders[: len(given)], strict=True)
         if name in desc.input_names and not node.users
     )
-    device = inputs[0].device if inputs else torch.device("cpu")
-    draws = tuple(torch.rand(r.shape, dtype=r.dtype, device=device) for r in random_inputs)
     return TracedGraph(
         module=module,
-        input_names=[*names, *desc.input_names, *(r.name for r in random_inputs)],
+        input_names=given,
         output_names=outputs,
-        sample_args=tuple(t.detach() for t in sample) + draws,
+        sample_args=tuple(t.detach() for t in sample),
         trained=result["trained"],
         idle=[n for n in trainable if n not in result["trained"]],
-        updated=result["updated"],
         unused_inputs=unused,
         state_count=len(names),
-        random_inputs=random_inputs,
+        _pending=(what, list(frozen), training),
     )
 
 
@@ -230,7 +261,7 @@ def _modes_restored(module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _explained(wrapper: torch.nn.Module, what: str) -> Iterator[None]:
+def _explained(what: str) -> Iterator[None]:
     """Tracing failures as a `TraceError` naming the user's line and the way out; our own errors pass."""
     try:
         yield
@@ -239,14 +270,13 @@ def _explained(wrapper: torch.nn.Module, what: str) -> Iterator[None]:
     except ValueError as error:
         if "does not depend on any trainable parameter" in str(error) or "model_desc" in str(error):
             raise
-        raise _trace_error(wrapper, what, error) from error
+        raise _trace_error(what, error) from error
     except Exception as error:  # noqa: BLE001 - every tracing failure gets the same explanation
-        raise _trace_error(wrapper, what, error) from error
+        raise _trace_error(what, error) from error
 
 
-def _trace_error(wrapper: torch.nn.Module, what: str, error: Exception) -> TraceError:
+def _trace_error(what: str, error: Exception) -> TraceError:
     where = _user_frame(error)
-    name = type(wrapper.model).__name__
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     hint = (
         "Python control flow that depends on tensor values (if/while on a tensor, .item(), .tolist(), "
@@ -255,7 +285,7 @@ def _trace_error(wrapper: torch.nn.Module, what: str, error: Exception) -> Trace
         "onnxruntime-training is installed"
     )
     return TraceError(
-        f"the autograd engine could not trace the {what} graph of {name}{f' at {where}' if where else ''}: "
+        f"the autograd engine could not trace {what}{f' at {where}' if where else ''}: "
         f"{type(error).__name__}: {first}. {hint}"
     )
 
