@@ -47,7 +47,27 @@ ONNXBLOCK_ONLY = frozenset(
 )
 # Single tests that mean the onnxblock engine (its graph passes, fp16 graphs, Megatron, ONNX-model input, its
 # debug graph files), by "file::test" prefix (parametrized ids included).
-ONNXBLOCK_TESTS: frozenset[str] = frozenset()
+ONNXBLOCK_TESTS = frozenset(
+    {
+        # Megatron is refused by the autograd engine at construction, before the refusals these tests check
+        "distributed/test_megatron_plan.py::test_what_h2_does_not_do_is_refused_before_any_process_group",
+        # the onnxblock session's own hooks and graph names
+        "engine/test_memory_release.py::test_memory_is_released_after_the_build_and_once_after_the_first_training_run",
+        "trainer/test_legacy_models.py::test_training_graph_dump_is_the_gradient_graph_and_the_docs_say_so",
+        "trainer/test_trainer_api.py::test_check_model_export_and_graph_save_paths",
+        # the TorchScript export of a deep copy (the autograd engine traces with the module's state as inputs)
+        "trainer/test_legacy_models.py::test_a_module_that_cannot_be_deep_copied_trains_and_is_left_as_it_was",
+        "trainer/test_legacy_models.py::test_a_module_that_cannot_be_deep_copied_shows_one_training_forward_in_its_statistics",
+        "trainer/test_trainer_api.py::test_dimension_baked_by_the_exporter_gets_a_clear_error",
+        # onnxblock-only inputs: _internal_use.extra_postprocess, an onnx.ModelProto model
+        "trainer/test_legacy_models.py::test_extra_postprocess_gets_the_forward_graph_and_its_result_is_used",
+        "trainer/test_trainer_api.py::test_onnx_model_trains_like_the_torch_model",
+        "trainer/test_trainer_api.py::test_onnx_model_checks",
+        # the onnxblock engine's message from its graph's label specs; the autograd engine names the input with
+        # PyTorch's own message (tests/engine/test_autograd_engine.py)
+        "trainer/test_input_errors.py::test_label_index_out_of_range_where_the_graph_does_not_say_the_class_count",
+    }
+)
 _TESTS = Path(__file__).parent
 
 

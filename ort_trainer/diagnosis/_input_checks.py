@@ -170,6 +170,8 @@ def explain_run_errors(
     try:
         yield
     except Exception as error:  # onnxruntime raises its own exception types (Fail, RuntimeException, ...)
+        if getattr(error, "explained", False):  # the engine's session named the input at fault already
+            raise
         explained = explain_run_failure(specs, feeds, error)
         if explained is not None:
             raise explained from error

@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 
 import onnx
 import torch
 
-from ort_trainer.graph.autograd import GraphCache, TracedGraph, graph_cache_from_env, graph_to_onnx, trace_graph
+from ort_trainer.graph._trace_errors import explain_trace_failure
+from ort_trainer.graph.autograd import (
+    GraphCache,
+    TracedGraph,
+    TraceError,
+    graph_cache_from_env,
+    graph_to_onnx,
+    trace_graph,
+)
 
 from ._autograd_session import AutogradGraphs, AutogradSession
 from ._build import BuildRequest, Engine, save_debug_graph
@@ -73,29 +82,53 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
                 constants.setdefault(name, value.detach().clone())
         return AutogradGraphs(_exported(traced, cache, request, training), traced)
 
+    def explain(feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
+        """A failed run (a label out of range...) explained by PyTorch on the same inputs, naming the input."""
+        inputs = [feeds.get(n, first_inputs[n]) for n in desc.input_names]
+        explained = explain_trace_failure(request.model, request.loss_fn, desc, inputs, RuntimeError(str(error)))
+        if explained is not None:
+            explained.explained = True  # `diagnosis.explain_run_errors` passes it on as it is
+        return explained
+
     progress = BuildProgress(2, "ORTTrainer build (autograd engine)")
-    with progress.phase("trace and export the training graph"):
-        first = build(None, True)
+    try:
+        with progress.phase("trace and export the training graph"):
+            first = build(None, True)
+        with progress.phase("training session"):
+            session = AutogradSession(
+                build,
+                first,
+                trainable,
+                {name: store.grad_views[name] for name in store.layout.names},
+                store.padded_grads,
+                frozen,
+                constants,
+                list(desc.output_names),
+                request.device,
+                request.session_options,
+                request.shrink_arena,
+                explain=explain,
+            )
+    except TraceError as error:  # an input the model or the loss rejects: named, as PyTorch would say it
+        cause = error.__cause__ if isinstance(error.__cause__, RuntimeError | IndexError | TypeError) else None
+        cause = cause or RuntimeError(str(error))  # an ONNX Runtime load error: PyTorch decides if an input is at fault
+        explained = explain_trace_failure(request.model, request.loss_fn, desc, list(sample_inputs), cause)
+        if explained is not None:
+            raise explained from error
+        raise
+    if first.traced.unused_inputs:
+        warnings.warn(
+            f"model_desc inputs {list(first.traced.unused_inputs)} are not used by the model (the traced graph "
+            "does not read them); train_step and eval_step still accept them and ignore them",
+            UserWarning,
+            stacklevel=5,
+        )
     save_debug_graph(request, "model_with_gradient_graph_path", first.model)
     save_debug_graph(request, "model_with_training_graph_path", first.model)
     store.optimizer.set_idle(first.traced.idle)
     if first.traced.idle:
         _log.info("parameters the loss does not reach (never updated): %s", first.traced.idle)
-    with progress.phase("training session"):
-        session = AutogradSession(
-            build,
-            first,
-            trainable,
-            {name: store.grad_views[name] for name in store.layout.names},
-            store.padded_grads,
-            frozen,
-            constants,
-            list(desc.output_names),
-            request.device,
-            request.session_options,
-            request.shrink_arena,
-        )
-        release_freed_memory()
+    release_freed_memory()
     progress.close()
     return Engine(
         store=store,

@@ -121,8 +121,9 @@ class AutogradSession:
         session_options: ort.SessionOptions,
         shrink_arena: bool = False,
         max_shapes: int = 4,
+        explain: Callable[[Mapping[str, torch.Tensor], Exception], Exception | None] | None = None,
     ):
-        self._build, self._device = build, device
+        self._build, self._device, self._explain = build, device, explain
         self._session_options, self._user_outputs = session_options, list(user_outputs)
         self._params, self._grads, self._flat_grads = params, grads, flat_grads
         self._frozen, self._constants = frozen, constants
@@ -219,6 +220,15 @@ class AutogradSession:
         return self._scratch_views
 
     def _run(self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        try:
+            return self._run_bound(shape, inputs)
+        except Exception as error:  # noqa: BLE001 - ONNX Runtime's run errors: explained where PyTorch can
+            explained = self._explain(inputs, error) if self._explain is not None else None
+            if explained is not None:
+                raise explained from error
+            raise
+
+    def _run_bound(self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         keep_alive = []
         io = shape.io._iobinding
         for name, tensor in inputs.items():

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,4 +287,10 @@ def test_a_killed_remote_save_leaves_nothing_that_the_next_save_does_not_remove(
     trainer = mlp_trainer()
     trainer.save_checkpoint(f"{folder}/ck.ortcp", overwrite=True)
     assert [k.rsplit("/", 1)[-1] for k in fs.ls(key_folder, refresh=True)] == ["ck.ortcp"]
-    assert list(spool_root.iterdir()) == []
+    assert _ours(spool_root) == []
+
+
+def _ours(folder: Path) -> list[Path]:
+    """What is left in a TMPDIR, less the files torch itself leaves there when the dynamo exporter runs in
+    that process (the autograd engine's build): its inductor cache folder and a session-id file."""
+    return [p for p in folder.iterdir() if not (p.name.startswith("torchinductor_") or p.name == ".ses")]

@@ -175,3 +175,20 @@ def test_dropout_masks_repeat_for_the_same_seed_and_differ_between_steps():
     first, again, other = losses(1), losses(1), losses(2)
     assert first == again
     assert first != other
+
+
+def test_bad_inputs_are_named_with_pytorchs_own_words_before_and_after_the_build():
+    torch.manual_seed(0)
+    trainer = _trainer(TiedBatchNormLM())
+    ids, label = _batches([4])[0]
+    with pytest.raises(
+        ValueError, match=r"input 'label' holds class indices \[12\] out of range: the model predicts 10 classes"
+    ):
+        trainer.train_step(ids, torch.full_like(label, 12))  # the first step: traced, exported, then run
+    trainer.train_step(ids, label)
+    with pytest.raises(
+        ValueError, match=r"input 'label' holds class indices \[10\] out of range: the model predicts 10 classes"
+    ):
+        trainer.train_step(ids, torch.full_like(label, 10))  # a later step: ONNX Runtime fails, PyTorch explains
+    state = trainer.state_dict(pytorch_format=True)
+    assert all(torch.isfinite(v.float()).all() for v in state.values())
