@@ -48,10 +48,10 @@ test-zoo: $(STAMP)
 test-hf: $(STAMP)
 	$(PY) -m pytest -q -m "hf_long and $(STOCK)" tests
 
-# onnxruntime-training: the main suite (its default engine there is onnxblock) and the onnxblock zoo
-# (the autograd zoo runs in `make test-zoo`)
+# onnxruntime-training: the main suite (its default engine there is onnxblock) and the onnxblock zoo (the
+# autograd zoo runs in `make test-zoo`); tests/checkpoint (files, sets, storage: no graph) runs in `make test` only
 test-onnxblock: $(OB_STAMP)
-	$(OB_PY) -m pytest -q -m "not faults and not hf_long and not (zoo and not onnxblock)" tests
+	$(OB_PY) -m pytest -q -m "not faults and not hf_long and not (zoo and not onnxblock)" --ignore=tests/checkpoint tests
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py
