@@ -31,7 +31,7 @@ from ort_trainer.graph.autograd import (
 )
 
 from ._autograd_session import AutogradGraphs, AutogradSession
-from ._build import BuildRequest, Engine, save_debug_graph
+from ._build import BuildRequest, Engine, engine_for, save_debug_graph
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
 
@@ -130,13 +130,11 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         _log.info("parameters the loss does not reach (never updated): %s", first.traced.idle)
     release_freed_memory()
     progress.close()
-    return Engine(
-        store=store,
-        session=session,
+    return engine_for(
+        request,
+        session,
+        sample_inputs,
         eval_model=None,
-        input_dtypes=tuple(t.dtype for t in sample_inputs),
-        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
-        zero_stage=request.zero_stage if store.dist is not None else 0,
         unused_inputs=first.traced.unused_inputs,
         output_types={o.name: o.type.tensor_type.elem_type for o in first.model.graph.output},
         tracks_batches=bool(first.traced.updated),  # BatchNorm statistics are the buffers a forward writes

@@ -43,6 +43,7 @@ __all__ = [
     "BuildRequest",
     "Engine",
     "build_onnxblock_engine",
+    "engine_for",
     "save_debug_graph",
     "session_options_for",
 ]
@@ -99,6 +100,19 @@ _TORCH_DTYPES = {
     onnx.TensorProto.INT32: torch.int32,
     onnx.TensorProto.BOOL: torch.bool,
 }
+
+
+def engine_for(request: BuildRequest, session: Any, sample_inputs: Sequence[torch.Tensor], **fields: Any) -> Engine:
+    """An `Engine` over ``request.store`` and ``session``, typed by the first step's inputs (every source's end)."""
+    store = request.store
+    return Engine(
+        store=store,
+        session=session,
+        input_dtypes=tuple(t.dtype for t in sample_inputs),
+        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
+        zero_stage=request.zero_stage if store.dist is not None else 0,
+        **fields,
+    )
 
 
 def session_options_for(options: ORTTrainerOptions) -> ort.SessionOptions:
@@ -183,14 +197,12 @@ def build_onnxblock_engine(request: BuildRequest, sample_inputs: Sequence[torch.
     with progress.phase("free build memory"):
         release_freed_memory()  # export/gradient-building scratch, which glibc would otherwise keep resident
     progress.close()
-    return Engine(
-        store=store,
-        session=session,
+    return engine_for(
+        request,
+        session,
+        sample_inputs,
         eval_model=eval_model,
-        input_dtypes=tuple(t.dtype for t in sample_inputs),
-        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
         bn_stats=bn_stats,
-        zero_stage=request.zero_stage if store.dist is not None else 0,
         loss_scale_input=loss_scale_input,
         unused_inputs=unused,
         label_specs=label_specs,
@@ -228,13 +240,11 @@ def _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unuse
     store.optimizer.set_idle([name for name in store.layout.names if name not in set(trainable)])
     session = request.horizontal.build_session(forward, trainable, sorted(frozen), store, request)
     release_freed_memory()
-    return Engine(
-        store=store,
-        session=session,
+    return engine_for(
+        request,
+        session,
+        sample_inputs,
         eval_model=forward,
-        input_dtypes=tuple(t.dtype for t in sample_inputs),
-        input_shapes=tuple(tuple(t.shape) for t in sample_inputs),
-        zero_stage=request.zero_stage if store.dist is not None else 0,
         unused_inputs=unused,
         label_specs=label_specs,
     )
