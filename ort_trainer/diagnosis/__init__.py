@@ -13,9 +13,10 @@ from ._input_checks import (
     explain_run_errors,
     label_range_message,
 )
-from ._native_logs import quiet_native_info_logs
+from ._native_logs import NO_GRADIENT_NODE_SUFFIX, quiet_native_info_logs
 
 __all__ = [
+    "NO_GRADIENT_NODE_SUFFIX",
     "check_input_tensors",
     "check_labels",
     "check_onnx_io",

@@ -4,7 +4,9 @@
 file descriptor 2, ignoring `set_default_logger_severity`. We capture fd 2 around those calls and
 re-emit them as records of this module's logger (under ``ort_trainer``): ONNX Runtime's ``[E:``/``[F:``
 lines as ERROR, its INFO/VERBOSE lines as DEBUG (dropped unless that level is enabled), anything else as
-WARNING, so users still see what matters.
+WARNING, so users still see what matters. The gradient builder's warning about weight consumers that no
+gradient reaches is DEBUG when every node it names ends with `NO_GRADIENT_NODE_SUFFIX`: our graphs build such
+nodes on purpose (``graph._embedding``: a padding row read without a gradient).
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
 
-__all__ = ["quiet_native_info_logs"]
+__all__ = ["NO_GRADIENT_NODE_SUFFIX", "quiet_native_info_logs"]
 
+NO_GRADIENT_NODE_SUFFIX = "/no_gradient"  # node names of ours that no gradient is meant to reach
+_UNREACHABLE = "Following nodes are unreachable for gradient back propagation:"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _INFO_MARKERS = ("[I:onnxruntime", "[V:onnxruntime")
 _ERROR_MARKERS = ("[E:onnxruntime", "[F:onnxruntime")
 logger = logging.getLogger(__name__)
@@ -46,6 +52,15 @@ def quiet_native_info_logs() -> Iterator[None]:
 
 
 def _level(line: str) -> int:
-    if any(marker in line for marker in _INFO_MARKERS):
+    if any(marker in line for marker in _INFO_MARKERS) or _only_ours_unreachable(line):
         return logging.DEBUG
     return logging.ERROR if any(marker in line for marker in _ERROR_MARKERS) else logging.WARNING
+
+
+def _only_ours_unreachable(line: str) -> bool:
+    """The gradient builder's "unreachable nodes" warning, naming only nodes we made unreachable on purpose."""
+    if _UNREACHABLE not in line:
+        return False
+    names = [n.strip() for n in _ANSI.sub("", line.split(_UNREACHABLE, 1)[1]).split(",")]
+    names = [n for n in names if n]
+    return bool(names) and all(n.endswith(NO_GRADIENT_NODE_SUFFIX) for n in names)

@@ -26,7 +26,9 @@ import torch
 from ort_trainer.config.model_desc import ModelDescription
 from ort_trainer.graph._names import outer_module, plain_module
 
+from ._embedding import check_embedding_modules
 from ._forward import ModelWithLoss, module_for_export
+from ._no_gradient import UnsupportedBackwardError, seal_no_gradient_copies, traced_gradients
 from ._symbolics import register_symbolics
 from ._trace_errors import explain_trace_failure
 from ._unsupported import explain_unsupported_op
@@ -56,7 +58,11 @@ def export_torch_model(
     sample_inputs: Sequence[torch.Tensor],
     opset_version: int,
 ) -> ExportedModel:
-    """Trace ``model`` (+ ``loss_fn``) with the TorchScript exporter in training mode."""
+    """Trace ``model`` (+ ``loss_fn``) with the TorchScript exporter in training mode.
+
+    ``nn.Embedding`` attributes whose gradient the graph would not give are refused first (`_embedding`).
+    """
+    check_embedding_modules(model)
     failure: Exception | None = None
     with module_for_export(outer_module(model)) as module, plain_module(module) as plain:
         wrapper = ModelWithLoss(plain, loss_fn, desc)
@@ -70,6 +76,8 @@ def export_torch_model(
         else:
             result = ExportedModel(exported, unused_inputs=_unused_inputs(exported, desc))
             _map_names(plain, result)  # while the plain tree (canonical names) is in place
+    if isinstance(failure, UnsupportedBackwardError):
+        raise failure  # already says what the model does and what to do
     if failure is not None:
         explained = explain_unsupported_op(model, failure) or explain_trace_failure(
             model, loss_fn, desc, sample_inputs, failure
@@ -78,6 +86,7 @@ def export_torch_model(
             raise failure
         raise explained from failure
     _check_outputs(result.model, desc)
+    seal_no_gradient_copies(result.model)
     return result
 
 
@@ -86,10 +95,10 @@ def _trace(
 ) -> onnx.ModelProto:
     buffer = io.BytesIO()
     register_symbolics()  # aten::diff, aten::histc
-    # no_grad: the traced forward would otherwise keep every activation for a backward pass that never
-    # runs (GPT-2 124M: ~0.3 GiB, 774M: ~1.5 GiB at the export, the build's peak); the graph is the same
-    # byte for byte (checked on HF GPT-2 and BERT, nn.TransformerEncoder with dropout, BatchNorm).
-    with warnings.catch_warnings(), _shape_inference_without_weight_values(), torch.no_grad():
+    # traced_gradients: autograd records (what torch would not differentiate is marked, `_no_gradient`), but the
+    # activations it would save for a backward that never runs are dropped, as under no_grad (GPT-2 124M: ~0.3 GiB,
+    # 774M: ~1.5 GiB at the export, the build's peak).
+    with warnings.catch_warnings(), _shape_inference_without_weight_values(), traced_gradients():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             wrapper,

@@ -8,7 +8,9 @@
    dynamic path (``BroadcastGradientArgs``), which is right for any shape.
 2. ``Where``'s gradient ignores broadcasting altogether (the gradient of ``x`` in ``Where(c, x, y)`` has
    the output's shape). `expand_where_inputs` makes the broadcast explicit with ``Expand``, whose
-   gradient reduces correctly (attention masks applied with ``torch.where`` / ``masked_fill``).
+   gradient reduces correctly (attention masks applied with ``torch.where`` / ``masked_fill``). Inputs that
+   no trainable weight reaches (constants, buffers, a padding row read without a gradient) carry no
+   gradient and are left alone.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from onnx import helper
 
 __all__ = ["expand_where_inputs", "forget_unnamed_dims"]
 
+# Float inputs that ONNX Runtime's gradient builder never differentiates (part of its STOP_GRADIENT_EDGES).
+_NO_GRADIENT_INPUTS = {
+    "BatchNormalization": {3, 4}, "BatchNormInternal": {3, 4}, "Pow": {1}, "Clip": {1, 2}, "Dropout": {1},
+}  # fmt: skip
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+_UNKNOWN = onnx.TensorProto.UNDEFINED
+_MAY_BE_FLOAT = _FLOATS | {_UNKNOWN}
 
 
 def forget_unnamed_dims(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -36,8 +44,7 @@ def expand_where_inputs(model: onnx.ModelProto, trainable: set[str]) -> int:
     may be broadcast and may carry a gradient; returns the number of inputs expanded. Same values."""
     graph = model.graph
     shapes = _static_shapes(model)
-    constant = {n.output[0] for n in graph.node if n.op_type == "Constant"}
-    constant |= {i.name for i in graph.initializer if i.name not in trainable}
+    carriers = _gradient_carriers(graph, trainable, shapes)
     taken = (
         {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {i.name for i in graph.initializer}
     )
@@ -50,7 +57,7 @@ def expand_where_inputs(model: onnx.ModelProto, trainable: set[str]) -> int:
         inputs = list(node.input)
         for position in (1, 2):
             name = inputs[position]
-            if name in constant or shapes.get(name, ("?",)) == out_shape and out_shape is not None:
+            if name not in carriers or shapes.get(name, ("?",)) == out_shape and out_shape is not None:
                 continue
             if shapes.get(f"{name}#type") not in _FLOATS:
                 continue
@@ -74,6 +81,18 @@ def expand_where_inputs(model: onnx.ModelProto, trainable: set[str]) -> int:
         del graph.node[:]
         graph.node.extend(nodes)
     return changed
+
+
+def _gradient_carriers(graph: onnx.GraphProto, trainable: set[str], shapes: dict[str, object]) -> set[str]:
+    """Tensors a trainable weight may reach through differentiable inputs: float (or untyped) outputs of nodes
+    with such an input. A superset: every op but the listed edges passes a gradient on, as do subgraphs."""
+    carriers = set(trainable)
+    for node in graph.node:  # ONNX graphs are topologically sorted
+        skipped = _NO_GRADIENT_INPUTS.get(node.op_type, set())
+        reached = any(name in carriers for i, name in enumerate(node.input) if i not in skipped)
+        if reached or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            carriers.update(out for out in node.output if shapes.get(f"{out}#type", _UNKNOWN) in _MAY_BE_FLOAT)
+    return carriers
 
 
 def _fresh(taken: set[str], base: str) -> str:

@@ -199,7 +199,8 @@ def _describe(index: int, node: onnx.NodeProto, model: onnx.ModelProto, types: d
     opset = next((o.version for o in model.opset_import if _domain(o.domain) == _domain(node.domain)), 1)
     schema = schema_for(node.domain, node.op_type, opset)
     if schema is None:
-        return _Node(index, node, [], [], set(), "no ONNX schema (kept as is)")
+        unknown_in, unknown_out = [None] * len(node.input), [None] * len(node.output)  # a contrib op
+        return _Node(index, node, unknown_in, unknown_out, set(), "no ONNX schema (kept as is)")
     inputs = _bind(schema.inputs, len(node.input))
     outputs = _bind(schema.outputs, len(node.output))
     present = ([p for n, p in zip(names, params, strict=True) if n] for names, params in

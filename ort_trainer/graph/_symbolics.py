@@ -19,10 +19,18 @@
 
 * ``aten::ctc_loss``: the CTC forward recursion unrolled over the (static) frames, see `_ctc`.
 
+* ``aten::cross_entropy_loss`` with ``label_smoothing`` (torch's symbolic refuses it): torch's formula
+  (`_label_smoothing`), during our export only.
+
+* ``aten::embedding`` and ``aten::detach``: during our export only, a ``padding_idx`` row that the lookup
+  gives no gradient (`_embedding`) and a detached tensor that carries none (`_no_gradient`), as in torch;
+  torch's own symbolics everywhere else.
+
 Registered once, before the first export (:func:`register_symbolics`), in torch's process-wide registry
 (the user's own ``torch.onnx.export`` calls see them from then on; they compute torch's values). For
-diff, histc and ctc_loss a symbolic the user registered first is kept; group_norm and cumsum replace
-torch's own.
+diff, histc and ctc_loss a symbolic the user registered first is kept; group_norm, cumsum, embedding,
+detach and cross_entropy_loss replace torch's own (embedding and cross_entropy_loss call it where they change
+nothing).
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ import torch
 from torch.onnx import symbolic_helper as sh
 
 from ._ctc import ctc_loss
+from ._embedding import embedding_symbolic
+from ._label_smoothing import cross_entropy_symbolic
+from ._no_gradient import detach_symbolic
 
 __all__ = ["register_symbolics"]
 
@@ -51,13 +62,24 @@ def register_symbolics() -> None:
     torch_cumsum = _symbolic("aten::cumsum")
     if torch_cumsum is not None:
         torch.onnx.register_custom_op_symbolic("aten::cumsum", _bool_safe_cumsum(torch_cumsum), _OPSET)
+    torch.onnx.register_custom_op_symbolic("aten::embedding", embedding_symbolic(_symbolic("aten::embedding")), _OPSET)
+    torch.onnx.register_custom_op_symbolic("aten::detach", detach_symbolic(), _OPSET)
+    torch_cross_entropy = _symbolic("aten::cross_entropy_loss")
+    if torch_cross_entropy is not None:
+        torch.onnx.register_custom_op_symbolic(
+            "aten::cross_entropy_loss", cross_entropy_symbolic(torch_cross_entropy), _OPSET
+        )
     _registered = True
 
 
 def _symbolic(name: str):
     """The exporter's symbolic for ``name`` at our opset (torch's own, or one the user registered), or None."""
     try:  # torch registers its opset-11+ symbolics when their module is imported (at the first export)
-        from torch.onnx._internal.torchscript_exporter import registration, symbolic_opset11  # noqa: F401
+        from torch.onnx._internal.torchscript_exporter import (  # noqa: F401
+            registration,
+            symbolic_opset11,
+            symbolic_opset12,
+        )
     except ImportError:  # another torch layout: ours are registered (and cumsum left alone)
         return None
     group = registration.registry.get_function_group(name)

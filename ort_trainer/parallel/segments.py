@@ -134,12 +134,19 @@ def _merge_copy_markers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 
 def _value_types(model: onnx.ModelProto, markers: Iterable[onnx.NodeProto]) -> dict[str, onnx.ValueInfoProto]:
-    """Every value's type, from shape inference on a copy where markers are Identity nodes."""
+    """Every value's type, from shape inference on a copy where markers are Identity nodes.
+
+    The declared types of what ONNX cannot infer (outputs of ``com.microsoft`` ops, e.g. the no-gradient
+    copies of ``graph._no_gradient``) are kept, so that inference goes on past them; the rest are inferred anew.
+    """
     probe = copy.deepcopy(model)
     for node in probe.graph.node:
         if node.domain == DOMAIN:
             node.domain, node.op_type = "", "Identity"
+    opaque = {o for node in probe.graph.node if node.domain not in ("", "ai.onnx") for o in node.output}
+    declared = [info for info in probe.graph.value_info if info.name in opaque]
     del probe.graph.value_info[:]
+    probe.graph.value_info.extend(declared)
     inferred = forget_unnamed_dims(onnx.shape_inference.infer_shapes(probe))
     g = inferred.graph
     types = {v.name: v for v in [*g.value_info, *g.input, *g.output]}
