@@ -58,14 +58,31 @@ class BertClassifier(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+PAD_ID = 0  # BertConfig's pad_token_id (its word embeddings' padding_idx); GPT-2 (no pad token) pads with it too
+
+
+def _padded(tokens: torch.Tensor) -> torch.Tensor:
+    """Pad a quarter of the rows to half length in place, as a collator does (ids `PAD_ID`); the attention mask.
+
+    The first row also reads `PAD_ID` once as a real token (an EOS used for padding), so the padding row's
+    gradient rule (``padding_idx``) matters, as it does in real data."""
+    batch = tokens.shape[0]
+    mask = torch.ones(tokens.shape, dtype=torch.int64)
+    mask[batch - max(batch // 4, 1) :, SEQ // 2 :] = 0
+    tokens.masked_fill_(mask == 0, PAD_ID)
+    tokens[0, SEQ // 3] = PAD_ID
+    return mask
+
+
 def _gpt2_batches(batch: int, vocab: int = VOCAB):
     def make(n: int):
         g = torch.Generator().manual_seed(0)
         out = []
         for _ in range(n):
-            tokens = torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
-            mask = torch.ones(batch, SEQ, dtype=torch.int64)
-            out.append((tokens[:, :-1].contiguous(), mask, tokens[:, 1:].contiguous()))
+            tokens = torch.randint(1, vocab, (batch, SEQ + 1), generator=g)
+            ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            mask = _padded(ids)
+            out.append((ids, mask, labels.masked_fill(mask == 0, -100)))  # padded positions: no loss
         return out
 
     return make
@@ -76,9 +93,8 @@ def _bert_batches(batch: int, vocab: int = VOCAB):
         g = torch.Generator().manual_seed(0)
         out = []
         for _ in range(n):
-            mask = torch.ones(batch, SEQ, dtype=torch.int64)
-            mask[: batch // 4, SEQ // 2 :] = 0  # a quarter of the sequences padded to half length
-            tokens = torch.randint(1, vocab, (batch, SEQ), generator=g)  # no padding_idx (0) tokens
+            tokens = torch.randint(1, vocab, (batch, SEQ), generator=g)
+            mask = _padded(tokens)
             out.append((tokens, mask, torch.randint(0, 2, (batch,), generator=g)))
         return out
 

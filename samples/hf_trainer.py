@@ -44,7 +44,7 @@ class Chunks(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         ids = self.tokens[i * CONTEXT : (i + 1) * CONTEXT]
-        # attention_mask: without it GPT-2 looks for packed sequences with torch.diff, which ONNX cannot export
+        # attention_mask: all ones here (no padding); optional (without one transformers looks for packed sequences)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 

@@ -60,16 +60,45 @@ def token_loss(logits, label):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), label.reshape(-1))
 
 
+PAD_ID = 0  # BertConfig's pad_token_id (the padding_idx of its word embeddings); GPT-2 pads with it too
+IGNORE_INDEX = -100  # the label of a padded position (cross_entropy's default ignore_index), as Hugging Face's
+
+
+def _padded_lengths(batch: int, seq: int) -> list[int]:
+    """Sequence lengths of a real batch: the first full, the others padded at the end (a few tokens to half)."""
+    return [seq if i == 0 else max(1, seq - (i * seq) // (2 * max(batch - 1, 1)) - 1) for i in range(batch)]
+
+
+def _pad(ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Pad ``ids`` (and ``labels``) in place to `_padded_lengths`; returns the attention mask.
+
+    The first (full) row also reads `PAD_ID` once as a real token, as when the pad token is the EOS token:
+    masked positions rarely reach the loss, that one does (and torch gives the padding row no gradient from it).
+    """
+    batch, seq = ids.shape
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    for row, length in enumerate(_padded_lengths(batch, seq)):
+        ids[row, length:], mask[row, length:] = PAD_ID, 0
+        if labels is not None:
+            labels[row, length:] = IGNORE_INDEX
+    ids[0, seq // 2] = PAD_ID
+    if labels is not None:
+        labels[0, seq // 2 - 1] = PAD_ID  # the token before predicts it
+    return mask
+
+
 def lm_batch(batch: int = 3, seq: int = 8, vocab: int = 50, seed: int = 0):
+    """``(input_ids, attention_mask, labels)`` padded as a collator pads: ids `PAD_ID`, mask 0, labels -100."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-    return tokens[:, :-1].contiguous(), torch.ones(batch, seq, dtype=torch.int64), tokens[:, 1:].contiguous()
+    tokens = torch.randint(1, vocab, (batch, seq + 1), generator=g)
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    mask = _pad(ids, labels)
+    return ids, mask, labels
 
 
 def classifier_batch(batch: int = 3, seq: int = 8, vocab: int = 50, seed: int = 0):
+    """``(input_ids, attention_mask, label)``: real tokens from 1, padded ends with `PAD_ID` and mask 0."""
     g = torch.Generator().manual_seed(seed)
-    mask = torch.ones(batch, seq, dtype=torch.int64)
-    mask[0, seq // 2 :] = 0  # one padded sequence
-    # ids from 1: the exported graph does not know nn.Embedding's padding_idx (0 in BERT), whose row torch
-    # never updates (reported separately; not what these tests are about)
-    return torch.randint(1, vocab, (batch, seq), generator=g), mask, torch.randint(0, 2, (batch,), generator=g)
+    ids = torch.randint(1, vocab, (batch, seq), generator=g)
+    mask = _pad(ids)
+    return ids, mask, torch.randint(0, 2, (batch,), generator=g)

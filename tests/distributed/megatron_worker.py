@@ -33,8 +33,12 @@ def batches(kind: str, steps: int):
         return mlp_batches(steps, batch=8)
     from tests.hf_tiny import classifier_batch, lm_batch
 
-    make = lm_batch if kind == "gpt2" else classifier_batch
-    return [make(batch=4, seed=s) for s in range(steps)]
+    if kind == "bert":
+        return [classifier_batch(batch=4, seed=s) for s in range(steps)]
+    # Two data-parallel halves padded alike: the token-mean losses of the replicas then average to the
+    # global batch's token mean, which the one-process reference computes (unequal halves would not).
+    halves = [[lm_batch(batch=2, seed=2 * s + k) for k in range(2)] for s in range(steps)]
+    return [tuple(torch.cat(parts) for parts in zip(*pair, strict=True)) for pair in halves]
 
 
 def main() -> None:

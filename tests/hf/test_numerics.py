@@ -11,7 +11,19 @@ import pytest
 import torch
 import transformers
 
-from tests.hf.common import OrtHFTrainer, TokenData, arguments, assert_losses_close, assert_weights_close, gpt2, run
+from tests.hf.common import (
+    PAD,
+    OrtHFTrainer,
+    TokenData,
+    arguments,
+    assert_losses_close,
+    assert_weights_close,
+    gpt2,
+    llama,
+    pad_collate,
+    pad_collate_without_mask,
+    run,
+)
 
 CASES = {
     # name: TrainingArguments overrides
@@ -43,6 +55,25 @@ def test_training_equals_transformers_trainer(tmp_path, case):
     assert rates == pytest.approx([e["learning_rate"] for e in reference.state.log_history if "loss" in e])
     # the weights really moved (equal-to-torch is not the initial model twice)
     assert not torch.equal(ours.model.transformer.wte.weight, model.transformer.wte.weight)
+
+
+@pytest.mark.parametrize(
+    "collate", [pad_collate, pytest.param(pad_collate_without_mask, marks=pytest.mark.hf_long)], ids=["mask", "no-mask"]
+)
+def test_llama_with_a_padding_idx_trains_like_transformers_trainer(tmp_path, collate):
+    """Llama's embeddings have ``padding_idx=0``; id 0 pads and ends rows as EOS, whose row torch never updates
+    from a lookup. Without an attention mask (docs/hf.md: not needed) transformers checks for packed sequences."""
+    model = llama()
+    overrides = dict(lr_scheduler_type="linear", max_steps=4, gradient_accumulation_steps=2)
+    args = arguments(tmp_path / "torch", **overrides)
+    reference, expected, _ = run(transformers.Trainer, model, args, collate=collate)
+    ours, losses, _ = run(OrtHFTrainer, model, arguments(tmp_path / "ort", **overrides), collate=collate)
+    assert ours.state.global_step == reference.state.global_step == 4
+    assert_losses_close(losses, expected)
+    assert_weights_close(ours.model, reference.model)
+    rows = ours.model.model.embed_tokens.weight
+    assert torch.count_nonzero(rows[PAD]) == 0  # initialised to 0 and never given a gradient: still 0
+    assert not torch.equal(rows[1:], model.model.embed_tokens.weight[1:])
 
 
 class ShiftedLossTrainer(transformers.Trainer):

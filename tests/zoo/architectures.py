@@ -3,6 +3,12 @@
 Each entry builds a model whose forward takes the ``model_desc`` inputs (labels included) and returns
 a ``ModelOutput`` whose first field is the loss, as HF models do when given labels. Dropout is 0 and
 SpecAugment-style masking off: the runs are compared with eager PyTorch step by step.
+
+Token batches are padded as a collator pads them: the last sequence ends in the model's pad token
+(the ``padding_idx`` of its embeddings where it has one: BERT, RoBERTa, BART, Whisper, Llama-family),
+with attention-mask zeros where the model takes a mask and ``-100`` labels under the padding. The pad
+id also occurs once among the first sequence's real tokens, as when the pad token is the EOS token:
+torch gives the padding row no gradient from there either (masked positions rarely reach the loss).
 """
 
 from __future__ import annotations
@@ -20,9 +26,14 @@ transformers.logging.set_verbosity_error()
 
 VOCAB = 64
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "vocab_size": VOCAB}
-DECODER = {**SMALL, "num_hidden_layers": 2, "num_key_value_heads": 1, "max_position_embeddings": 32, "use_cache": False}
+DECODER = {
+    **SMALL, "num_hidden_layers": 2, "num_key_value_heads": 1, "max_position_embeddings": 32, "use_cache": False,
+    "pad_token_id": 0,  # the embeddings' padding_idx
+}  # fmt: skip
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 LM_INPUTS = [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])]
+MASKED_LM_INPUTS = [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("labels", ["batch", "seq"])]
+IGNORE = -100  # the label of a padded position
 
 
 @dataclass(frozen=True)
@@ -46,29 +57,56 @@ def _make(cls, config) -> Callable[[], torch.nn.Module]:
 
 
 def _ids(g, *shape):
-    return torch.randint(1, VOCAB, shape, generator=g)
+    return torch.randint(3, VOCAB, shape, generator=g)  # 0..2: the pad/bos/eos ids of the configs below
+
+
+def _padded(g, rows: int, length: int, pad: int, real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention_mask)``: the last row holds ``real`` tokens, then ``pad`` (mask 0) to ``length``;
+    the first row reads ``pad`` as a real token too (mask 1), at its second position."""
+    ids, mask = _ids(g, rows, length), torch.ones(rows, length, dtype=torch.int64)
+    ids[-1, real:], mask[-1, real:] = pad, 0
+    ids[0, 1] = pad
+    return ids, mask
+
+
+def _labels_of(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ids.masked_fill(mask == 0, IGNORE)
 
 
 def _lm(g):
-    ids = _ids(g, 2, 8)
-    return ids, ids  # HF causal LMs shift the labels themselves
+    ids, mask = _padded(g, 2, 8, pad=0, real=5)
+    return ids, _labels_of(ids, mask)  # HF causal LMs shift the labels themselves
 
 
-def _classes(n):
-    return lambda g: (_ids(g, 2, 8), torch.randint(0, n, (2,), generator=g))
+def _masked_lm(g):
+    ids, mask = _padded(g, 2, 8, pad=0, real=5)
+    return ids, mask, _labels_of(ids, mask)
+
+
+def _classes(n, pad):
+    def batch(g):
+        ids, mask = _padded(g, 2, 8, pad=pad, real=5)
+        return ids, mask, torch.randint(0, n, (2,), generator=g)
+
+    return batch
 
 
 def _seq2seq(g):
-    return _ids(g, 2, 8), torch.ones(2, 8, dtype=torch.int64), _ids(g, 2, 6)
+    ids, mask = _padded(g, 2, 8, pad=0, real=5)
+    target, target_mask = _padded(g, 2, 6, pad=0, real=4)
+    return ids, mask, _labels_of(target, target_mask)
 
 
-def _decoder(cls, config_cls, **extra):
-    return Architecture(_make(cls, config_cls(**DECODER, attn_implementation="eager", **extra)), LM_INPUTS, _lm)
+def _decoder(cls, config_cls, masked: bool = True, **extra):
+    """A causal LM; ``masked=False``: no attention mask (transformers then looks for packed sequences)."""
+    config = config_cls(**DECODER, attn_implementation="eager", **extra)
+    return Architecture(_make(cls, config), MASKED_LM_INPUTS if masked else LM_INPUTS, _masked_lm if masked else _lm)
 
 
 def _encoder(cls, config_cls):
     config = config_cls(**SMALL, num_hidden_layers=2, max_position_embeddings=40, num_labels=3, **NO_DROPOUT)
-    return Architecture(_make(cls, config), [("input_ids", ["batch", "seq"]), ("labels", ["batch"])], _classes(3))
+    inputs = [("input_ids", ["batch", "seq"]), ("attention_mask", ["batch", "seq"]), ("labels", ["batch"])]
+    return Architecture(_make(cls, config), inputs, _classes(3, pad=config.pad_token_id))
 
 
 def _t5():
@@ -103,7 +141,7 @@ def _whisper():
     return Architecture(
         _make(transformers.WhisperForConditionalGeneration, config),
         inputs,
-        lambda g: (torch.randn(2, 8, 16, generator=g), _ids(g, 2, 6)),
+        lambda g: (torch.randn(2, 8, 16, generator=g), _labels_of(*_padded(g, 2, 6, pad=0, real=4))),
     )
 
 
@@ -144,7 +182,7 @@ def _wav2vec2_ctc() -> Architecture:
     return Architecture(
         _make(transformers.Wav2Vec2ForCTC, _wav2vec2_config(pad_token_id=0)),
         inputs,
-        lambda g: (torch.randn(2, 400, generator=g), _ids(g, 2, 5)),
+        lambda g: (torch.randn(2, 400, generator=g), _labels_of(*_padded(g, 2, 5, pad=0, real=3))),
     )
 
 
@@ -176,6 +214,7 @@ def mixtral(experts: str = "eager") -> Architecture:
     return _decoder(
         transformers.MixtralForCausalLM,
         transformers.MixtralConfig,
+        masked=False,
         num_local_experts=4,
         num_experts_per_tok=2,
         experts_implementation=experts,
@@ -188,7 +227,7 @@ ARCHITECTURES: dict[str, Callable[[], Architecture]] = {
             transformers.GPT2LMHeadModel,
             tiny_gpt2_config(VOCAB),
         ),
-        LM_INPUTS,
+        LM_INPUTS,  # no attention mask: transformers looks for packed sequences (torch.diff)
         _lm,
     ),
     "llama": lambda: _decoder(transformers.LlamaForCausalLM, transformers.LlamaConfig),

@@ -1,8 +1,9 @@
 """The zoo: real Hugging Face architectures from tiny configs train on ORT as in PyTorch.
 
 Each row: 5 AdamW steps on ORT and in eager PyTorch from the same initial weights; losses and final
-weights compared (tolerances of tests/test_interop_hf.py). Decoder LMs get no attention mask and no
-cache (transformers then checks for packed sequences with torch.diff); CLIP's loss averages two
+weights compared (tolerances of tests/test_interop_hf.py). Token batches are padded, the pad id among the
+real tokens too (architectures.py); GPT-2 and Mixtral get no attention mask and no cache (transformers then
+checks for packed sequences with torch.diff), Llama, Mistral and Qwen2 a mask; CLIP's loss averages two
 cross-entropies over constant labels (ScaledSum). Models whose loss cannot be exported fail at the
 first step with an error that names the op, the module and the way out. Run by ``make test-zoo``.
 """
