@@ -58,6 +58,20 @@ def test_env_var_sets_the_level_and_adds_one_stderr_handler():
     assert quiet.stdout.split() == [str(logging.NOTSET), "0"] and "built" not in quiet.stderr
 
 
+def test_env_var_output_prints_once_when_a_root_handler_comes_later():
+    """``import onnxruntime`` (onnxruntime-training) calls logging.basicConfig: records printed twice before."""
+    code = """
+        import logging, ort_trainer
+        logging.getLogger("ort_trainer.x").info("before")
+        import onnxruntime
+        logging.basicConfig(format="ROOT %(name)s %(message)s")  # a no-op if onnxruntime's import did it
+        logging.getLogger("ort_trainer.x").info("after")
+    """
+    run = _python(code, ORT_TRAINER_LOG_LEVEL="INFO")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("before") == 1 and run.stderr.count("after") == 1, run.stderr
+
+
 def test_env_var_respects_an_existing_configuration_and_rejects_nonsense():
     configured = _python(
         """
