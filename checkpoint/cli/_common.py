@@ -26,6 +26,8 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_FOUND",
     "EXIT_OK",
+    "ALL_KINDS",
+    "OUR_KINDS",
     "PROG",
     "InputKind",
     "check_output",
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 InputKind = Literal["manifest", "checkpoint", "torch", "safetensors"]
+ALL_KINDS: tuple[InputKind, ...] = ("checkpoint", "manifest", "torch", "safetensors")
+OUR_KINDS: tuple[InputKind, ...] = ("checkpoint", "manifest")  # what inspect and verify read
 PROG = "ort-trainer-ckpt"
 EXIT_OK, EXIT_FOUND, EXIT_ERROR = 0, 1, 2  # ok; differences or damage found; error
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -99,8 +103,11 @@ def output_kind(path: Path) -> Literal["checkpoint", "torch", "safetensors"]:
 
 
 # ---- file helpers -----------------------------------------------------------------------------------
-def input_kind(path: Path) -> InputKind:
-    """What ``path`` holds, by content where possible (HDF5 signature, manifest JSON), else by suffix."""
+def input_kind(path: Path, reads: tuple[InputKind, ...] = ALL_KINDS) -> InputKind:
+    """What ``path`` holds, by content where possible (HDF5 signature, manifest JSON), else by suffix.
+
+    ``reads``: the kinds the command reads, named in the error for a file that is none of the known kinds.
+    """
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such file")
     if path.is_dir():
@@ -117,10 +124,17 @@ def input_kind(path: Path) -> InputKind:
         zipped = fh.read(4) == b"PK\x03\x04"  # torch.save's zip container
     if zipped or path.suffix.lower() in TORCH_SUFFIXES:
         return "torch"
-    raise CheckpointFormatError(
-        f"{path} is not a checkpoint (HDF5), a manifest (.manifest.json), a PyTorch file ({', '.join(TORCH_SUFFIXES)}) "
-        f"or a {SAFETENSORS_SUFFIX} file"
-    )
+    named = [_KIND_NAMES[kind] for kind in reads]
+    either = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
+    raise CheckpointFormatError(f"{path} is not {either}")
+
+
+_KIND_NAMES = {
+    "checkpoint": "a checkpoint (HDF5)",
+    "manifest": "a manifest (.manifest.json)",
+    "torch": f"a PyTorch file ({', '.join(TORCH_SUFFIXES)})",
+    "safetensors": f"a {SAFETENSORS_SUFFIX} file",
+}
 
 
 def check_output(path: Path, overwrite: bool) -> None:

@@ -241,8 +241,8 @@ def _safetensors() -> Any:
         import safetensors.torch
     except ImportError:
         raise CheckpointFormatError(
-            "reading or writing .safetensors needs the 'safetensors' package, which is not installed: install the "
-            '\'safetensors\' extra (pip install "ort_trainer[safetensors]", or pip install ".[safetensors]" in a clone)'
+            "reading or writing .safetensors needs the 'safetensors' package, which is not installed: "
+            'pip install safetensors (or, in a clone of ort_trainer, pip install ".[safetensors]")'
         ) from None
     return safetensors.torch
 

@@ -19,7 +19,7 @@ from ..format import _schema as S
 from ..format._h5_reader import CheckpointReader, DatasetInfo, open_checkpoint
 from ..format._schema import PartitionInfo
 from ..sets._manifest import read_manifest
-from ._common import EXIT_OK, PROG, input_kind, jsonable, key_str, value_nbytes
+from ._common import EXIT_OK, OUR_KINDS, PROG, input_kind, jsonable, key_str, value_nbytes
 from ._remote import path_or_url
 
 __all__ = ["add_command", "describe_file", "describe_manifest", "format_doc"]
@@ -291,7 +291,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _describe(path: Path) -> dict:
-    kind = input_kind(path)
+    kind = input_kind(path, OUR_KINDS)
     if kind == "manifest":
         return describe_manifest(path)
     if kind != "checkpoint":

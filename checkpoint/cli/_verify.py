@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from ..sets._aggregate import _FileSource
 from ..sets._manifest import Manifest, check_manifest, is_manifest, read_manifest
 from ..sets._partition import plan_aggregation
 from ..sets._rankset import read_rank_set
-from ._common import EXIT_FOUND, EXIT_OK, key_str
+from ._common import EXIT_ERROR, EXIT_FOUND, EXIT_OK, OUR_KINDS, PROG, input_kind, key_str
 from ._remote import path_or_url
 
 __all__ = ["VerifyReport", "add_command", "verify_paths"]
@@ -175,14 +176,38 @@ def _verify_set(
 # ---- the subcommand --------------------------------------------------------------------------------
 def add_command(sub: argparse._SubParsersAction, command) -> None:
     """Register ``verify`` on the CLI's subparsers."""
-    p = command(sub, "verify", _run, "check checksums, manifest completeness and rank coverage; exit 1 if damaged")
+    p = command(
+        sub,
+        "verify",
+        _run,
+        "check checksums, manifest completeness and rank coverage; exit 1 if damaged, 2 if an input is missing or "
+        "no checkpoint or manifest at all (as inspect)",
+    )
     p.add_argument("paths", nargs="+", type=path_or_url, metavar="PATH", help="checkpoint files and/or manifests")
 
 
 def _run(args: argparse.Namespace) -> int:
-    report = verify_paths(args.paths)
+    unusable = {path: _unusable(path) for path in args.paths}
+    report = verify_paths([path for path, why in unusable.items() if why is None])
     for status, text in report.lines:
         print(f"{status:<4}  {text}")
+    errors = [why for why in unusable.values() if why is not None]
+    for why in errors:  # as every command reports an input it cannot read (inspect exits 2 for these too)
+        print(f"{PROG}: error: {why}", file=sys.stderr)
     problems = len(report.problems)
-    print(f"verify: {problems} problem(s)" if problems else f"verify: everything intact ({len(args.paths)} input(s))")
-    return EXIT_FOUND if problems else EXIT_OK
+    if problems or errors:
+        print(f"verify: {problems} problem(s)" + (f", {len(errors)} input(s) not verified" if errors else ""))
+    else:
+        print(f"verify: everything intact ({len(args.paths)} input(s))")
+    return EXIT_ERROR if errors else EXIT_FOUND if problems else EXIT_OK
+
+
+def _unusable(path: Path) -> str | None:
+    """Why ``path`` cannot be verified at all (missing, or no checkpoint or manifest), or None."""
+    try:
+        kind = input_kind(path, OUR_KINDS)
+    except CheckpointError as exc:
+        return str(exc)
+    if kind not in OUR_KINDS:
+        return f"{path} is a {kind} file; verify checks checkpoints and manifests"
+    return None

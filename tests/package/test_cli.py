@@ -300,3 +300,28 @@ def test_multi_line_errors_become_one_line(zero_set, tmp_path, capsys):
     (tmp_path / "out.ortcp").write_bytes(b"x")
     assert cli.main(["aggregate", str(zero_set[1]), "-o", str(tmp_path / "out.ortcp")]) == 2
     assert "out.ortcp already exists; pass --overwrite to replace it" in capsys.readouterr().err
+
+
+def test_verify_and_inspect_exit_2_for_a_missing_or_non_checkpoint_input(full, tmp_path, capsys):
+    """Both commands: an input that is no checkpoint or manifest at all is an error (2), not damage found (1)."""
+    notes, weights = tmp_path / "notes.txt", tmp_path / "w.pt"
+    notes.write_text("not a checkpoint\n")
+    torch.save({"w": torch.ones(2)}, weights)
+    for path in (tmp_path / "missing.ortcp", notes, weights):
+        assert cli.main(["inspect", str(path)]) == 2
+        inspected = capsys.readouterr().err
+        assert cli.main(["verify", str(path)]) == 2
+        verified = capsys.readouterr().err
+        assert inspected.startswith(f"ort-trainer-ckpt: error: {path}") and verified.startswith(inspected[:40])
+    assert cli.main(["verify", str(notes), str(full[0])]) == 2  # the others are still verified
+    out = capsys.readouterr().out
+    assert f"ok    {full[0]}: " in out and "1 input(s) not verified" in out
+
+
+def test_inspect_names_only_what_it_reads(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint\n")
+    assert cli.main(["inspect", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ort-trainer-ckpt: error: {notes} is not a checkpoint (HDF5) or a manifest (.manifest.json)\n"
+
