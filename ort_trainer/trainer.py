@@ -344,6 +344,14 @@ class ORTTrainer:
                 state.dist.close()
             state.closed = True
 
+    def __enter__(self) -> ORTTrainer:
+        """``with ORTTrainer(...) as trainer:`` closes the trainer at the end of the block (`close`)."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """`close`: a pending asynchronous save is published first, then the process group let go of."""
+        self.close()
+
     def all_gather_objects(self, value: Any) -> list:
         """``value`` of every rank, in rank order (``[value]`` in a single process): how `CheckpointManager`
         makes every rank restore the same checkpoint (call it on every rank)."""

@@ -155,11 +155,9 @@ model.eval()
 sampler = torch.Generator().manual_seed(SEED)
 ids = generate(model, [chars.index(c) for c in PROMPT], GENERATE_CHARS, CONTEXT, TEMPERATURE, TOP_K, sampler)
 generated = "".join(chars[i] for i in ids)
-print("-" * 60)
-print(generated)
-print("-" * 60)
+RULE = "-" * 60
+print(f"generated:\n{RULE}\n{generated}\n{RULE}")  # once, as it reads
 print(
     f"summary: world_size={WORLD_SIZE} zero_stage={ZERO_STAGE} steps={STEPS} first_loss={losses[0]:.4f} "
     f"last_loss={losses[-1]:.4f} train_seconds={seconds:.1f} aggregated={full}"
 )
-print(f"generated: {generated!r}")

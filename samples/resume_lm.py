@@ -62,6 +62,7 @@ parser.add_argument("--save-every", type=int, default=SAVE_EVERY, help=f"steps b
 parser.add_argument("--out", default=OUT_DIR, help=f"folder for checkpoints (and resume.png) (default {OUT_DIR}/)")
 parser.add_argument("--demo", action="store_true", help="stage a crash: kill a run, resume it, compare")
 parser.add_argument("--kill-at", type=int, default=KILL_AT, help=f"--demo: the step at which the run dies ({KILL_AT})")
+parser.add_argument("--no-progress", action="store_true", help="no progress bar (--demo's runs: it relays their lines)")
 args = parser.parse_args()
 STEPS, SAVE_EVERY, KILL_AT, OUT_DIR = args.steps, args.save_every, args.kill_at, Path(args.out)
 if args.demo and not 0 < KILL_AT < STEPS:
@@ -75,7 +76,8 @@ if args.demo:
     def run_child(name, out, kill_at=0):
         """Run one training process on folder `out`; SIGKILL it when it reports step `kill_at` (0: never).
         The child does not wait for the kill: it trains on, so the kill lands wherever it is. Returns the exit code."""
-        command = [sys.executable, __file__, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--out", str(out)]
+        command = [sys.executable, __file__, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--out", str(out),
+                   "--no-progress"]  # a child's bar would share the terminal with the lines relayed here
         child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         try:
             for line in child.stdout:
@@ -187,7 +189,8 @@ if restored is not None:
 else:
     print("starting fresh", flush=True)
 
-progress = tqdm(range(resumed_from + 1, STEPS + 1), desc="train", unit="step", initial=resumed_from, total=STEPS)
+progress = tqdm(range(resumed_from + 1, STEPS + 1), desc="train", unit="step", initial=resumed_from, total=STEPS,
+                disable=args.no_progress)
 for step in progress:
     loss = trainer.train_step(*batch_of_step(step)).item()
     losses.append(loss)

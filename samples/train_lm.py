@@ -159,13 +159,11 @@ print(f"held-out batch loss: ONNX Runtime {trainer.eval_step(tokens, label).item
 
 # Sampling with temperature and top-k (greedy decoding would repeat one word); seeded, so every run prints
 # the same text.
+RULE = "-" * 60
 sampler = torch.Generator().manual_seed(SEED)
 ids = generate(model, [chars.index(c) for c in PROMPT], GENERATE_CHARS, CONTEXT, TEMPERATURE, TOP_K, sampler)
 generated = "".join(chars[i] for i in ids)
-print("-" * 60)
-print(generated)
-print("-" * 60)
-print(f"generated: {generated!r}")
+print(f"generated:\n{RULE}\n{generated}\n{RULE}")  # once, as it reads
 
 print(
     f"summary: steps={STEPS} first_train_loss={train_losses[0]:.4f} last_train_loss={train_losses[-1]:.4f} "

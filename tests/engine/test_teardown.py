@@ -64,3 +64,16 @@ def test_a_closed_trainer_refuses_steps_but_keeps_its_state():
         trainer.train_step(*batch)
     for name, value in trainer.state_dict(pytorch_format=True).items():
         torch.testing.assert_close(value, weights[name])
+
+
+def test_a_with_block_closes_the_trainer_after_publishing_its_pending_save(tmp_path):
+    """``with ORTTrainer(...) as trainer:``: at the end of the block the asynchronous save is published and the
+    trainer is closed (`close`; its process-group part is the tests' above)."""
+    model = MLP()
+    batch = mlp_batches(1)[0]
+    with ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=torch.nn.functional.cross_entropy) as trainer:
+        trainer.train_step(*batch)
+        handle = trainer.save_checkpoint(tmp_path / "ck.ortcp", async_save=True)
+    assert handle.done() and (tmp_path / "ck.ortcp").is_file()
+    with pytest.raises(RuntimeError, match=r"this trainer was closed"):
+        trainer.train_step(*batch)
