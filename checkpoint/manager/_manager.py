@@ -68,7 +68,12 @@ class CheckpointInfo(NamedTuple):
 
 
 class RestoredCheckpoint(NamedTuple):
-    """What :meth:`CheckpointManager.restore` loaded: the step to continue after, and the saved ``user_dict``."""
+    """What :meth:`CheckpointManager.restore` loaded.
+
+    ``step``: the step it was saved as (continue after it); ``path``: the file (or manifest) loaded;
+    ``user_dict``: the ``user_dict`` given to that :meth:`CheckpointManager.save`, decoded (``{}`` if none);
+    ``metrics``: the ``metrics`` given to it (``{}`` if none).
+    """
 
     step: int
     path: str
@@ -140,8 +145,11 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Save ``trainer`` as checkpoint ``step`` (default: its ``train_step_info.step``), then prune.
 
-        Returns the save's handle (already done unless ``async_save``). Pruning runs once the new
-        checkpoint is durable; its failure (and a background save's) is raised by the next call.
+        Returns the save's :class:`~ort_trainer.checkpoint.io.SaveHandle`, already done unless ``async_save``:
+        an asynchronous save is durable only once published (``handle.wait()`` blocks until then and raises
+        its error; ``done()`` / ``failed()`` ask without blocking; :meth:`wait` waits for the last one). Until
+        then a crash leaves the previous checkpoint the newest. Pruning runs once the new checkpoint is
+        durable; its failure (and a background save's) is raised by the next call.
         """
         self._raise_pending()
         step = trainer.train_step_info.step if step is None else step
@@ -220,8 +228,9 @@ class CheckpointManager:
     def restore(self, trainer: Checkpointable, step: int | None = None) -> RestoredCheckpoint | None:
         """Load the newest complete checkpoint (or checkpoint ``step``) into ``trainer``.
 
-        Damaged checkpoints are skipped with a warning naming them, and so are saves that never
-        completed. A checkpoint pruned while it is being restored (a watcher of a running job) is not
+        Returns a :class:`RestoredCheckpoint`: its ``step``, ``path``, and the ``user_dict`` and ``metrics``
+        that were saved with it. Damaged checkpoints are skipped with a warning naming them, and so are saves
+        that never completed. A checkpoint pruned while it is being restored (a watcher of a running job) is not
         damage: the directory is scanned again and the newest checkpoint now there is loaded. Returns None
         when the directory holds no checkpoint (a fresh start); raises CheckpointCorruptError when
         checkpoints exist but none of them loads. On W > 1 ranks all ranks load the checkpoint rank 0
