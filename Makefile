@@ -52,6 +52,7 @@ test-hf: $(STAMP)
 # autograd zoo runs in `make test-zoo`); tests/checkpoint (files, sets, storage: no graph) runs in `make test` only
 test-onnxblock: $(OB_STAMP)
 	$(OB_PY) -m pytest -q -m "not faults and not hf_long and not (zoo and not onnxblock)" --ignore=tests/checkpoint tests
+	$(OB_PY) -m pytest -q -m "onnxblock" tests/checkpoint
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py

@@ -43,6 +43,11 @@ ONNXBLOCK_ONLY = frozenset(
         "graph/test_scaled_sum.py",
         "graph/test_split_accumulation.py",
         "distributed/test_megatron.py",
+        # Stock onnxruntime 1.31: a child forked while a save holds its file open blocks on a futex (single
+        # thread, a lock some thread of the parent held at the fork; the process has ORT's telemetry database
+        # open), so the test's children never report. Found 2026-11-27, open in issue S: until then it runs
+        # where onnxruntime-training is installed (`make test-onnxblock`), where it passes.
+        "checkpoint/test_checkpoint_fork.py",
     }
 )
 # Single tests that mean the onnxblock engine (its graph passes, fp16 graphs, Megatron, ONNX-model input, its
