@@ -142,22 +142,36 @@ class FlatOptimizer:
         if self.kind == _SGD:
             _updates.sgd(self._buf, self._unscaled({0: loss_scale}), lr)
             return
-        if clip:
-            grad_norm = float(torch.linalg.vector_norm(self._grads) if grad_norm is None else grad_norm)
-        divisors = {}
-        for i, group in enumerate(self._groups):
-            limit = group.hp["max_norm_clip"]
-            divisors[i] = grad_norm / limit if clip and grad_norm > loss_scale * limit else loss_scale
+        if clip and grad_norm is None and _norm_stays_on_device(self._grads):
+            divisors = self._device_divisors(loss_scale)
+        else:
+            if clip:
+                grad_norm = float(torch.linalg.vector_norm(self._grads) if grad_norm is None else grad_norm)
+            divisors = {}
+            for i, group in enumerate(self._groups):
+                limit = group.hp["max_norm_clip"]
+                divisors[i] = grad_norm / limit if clip and grad_norm > loss_scale * limit else loss_scale
         g = self._unscaled(divisors)
         if self.kind == _ADAM:
             self._adam_step(g, lr)
         else:
             self._lamb_step_all(g, lr)
 
-    def _unscaled(self, divisors: dict[int, float]) -> torch.Tensor:
+    def _device_divisors(self, loss_scale: float) -> dict[int, torch.Tensor]:
+        """Each group's divisor max(N / max_norm_clip, S) as a 0-d tensor on the gradients' device.
+
+        The same rule as the host path, without reading N back: on a GPU, ``float(norm)`` would make every
+        update wait for the backward to finish (torch's ``clip_grad_norm_`` does not wait either).
+        """
+        norm = torch.linalg.vector_norm(self._grads)
+        return {
+            i: torch.clamp(norm / group.hp["max_norm_clip"], min=loss_scale) for i, group in enumerate(self._groups)
+        }
+
+    def _unscaled(self, divisors: dict[int, float | torch.Tensor]) -> torch.Tensor:
         """Gradients divided by each group's divisor (the grads buffer itself when all are 1)."""
         values = set(divisors.values())
-        if values == {1.0}:
+        if all(isinstance(v, float) for v in values) and values == {1.0}:
             return self._grads
         if len(values) == 1:
             return torch.div(self._grads, values.pop(), out=self._buf.g)
@@ -293,3 +307,8 @@ def _positive_real(name: str, value: Any, allow_zero: bool = False) -> float:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
     return float(value)
+
+
+def _norm_stays_on_device(grads: torch.Tensor) -> bool:
+    """Clip with the norm as a device tensor (`FlatOptimizer._device_divisors`) rather than a host float."""
+    return grads.device.type != "cpu"

@@ -63,8 +63,22 @@ def resolve_device(device_id: str, provider_options: Mapping[str, Mapping] | Non
         )
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
         raise RuntimeError(f"options.device.id={device_id!r}: torch sees {torch.cuda.device_count()} CUDA devices")
-    cuda_opts = {"device_id": index, **provider_options.get("CUDAExecutionProvider", {})}
+    cuda_opts = {"device_id": index, **_torch_stream(index), **provider_options.get("CUDAExecutionProvider", {})}
     return DeviceSpec(torch.device("cuda", index), [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"])
+
+
+def _torch_stream(index: int) -> dict[str, str]:
+    """Run ONNX Runtime's kernels on torch's current stream of device ``index`` (its default one, usually).
+
+    The flat buffers are written by torch (the optimizer's update, a user's ``copy_``) and read by ORT, and the
+    gradients the other way round. On one stream these are ordered by the GPU itself; on ORT's own stream (a
+    non-blocking one, which does not wait for torch's default stream) the next run could read weights the
+    update has not written yet, unless every step waited on the host. With one stream, a run needs no
+    synchronisation at its end either (`_run_options`). The stream is the one current when the trainer is
+    built; ``provider_options={"CUDAExecutionProvider": {"user_compute_stream": ...}}`` names another.
+    """
+    stream = torch.cuda.current_stream(index).cuda_stream
+    return {"has_user_compute_stream": "1", "user_compute_stream": str(stream)}
 
 
 def to_ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
@@ -153,6 +167,8 @@ def _run_options(device: DeviceSpec, shrink_arena: bool) -> ort.RunOptions:
     options = ort.RunOptions()
     if shrink_arena and device.torch_device.type == "cpu":
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    if device.torch_device.type == "cuda":  # ORT runs on torch's stream (`_torch_stream`): no host wait per run
+        options.add_run_config_entry("disable_synchronize_execution_providers", "1")
     return options
 
 

@@ -3,6 +3,7 @@ counters, state_dict copies, resume equivalence and state validation."""
 
 import math
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -155,6 +156,28 @@ def test_adam_mode0_matches_torch_adamw(clip, loss_scale):
     assert clipped > 3 if clip else clipped == 0  # both branches of the clip formula ran
     for p, slot in zip(ref, layout.slots, strict=True):
         torch.testing.assert_close(params[slot.offset : slot.end].view(slot.shape), p.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 8.0])
+def test_clipping_on_a_device_never_reads_the_norm_back_and_updates_the_same(monkeypatch, loss_scale):
+    """On a GPU the clip divisor stays a device tensor (no wait per update); the weights equal the host rule's."""
+    cfg = AdamConfig(lr=0.01, lambda_coef=0.05, max_norm_clip=2.0)
+    layout, params, grads, opt = make(cfg)
+    _, host_params, host_grads, host_opt = make(cfg)
+    seq = grad_steps(layout.numel, 20)
+    monkeypatch.setattr(sys.modules[type(opt).__module__], "_norm_stays_on_device", lambda grads: True)
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: pytest.fail("the norm was read back to the host"))
+    for raw in seq:
+        grads.copy_(raw * loss_scale)
+        opt.step(0.01, loss_scale=loss_scale, clip=True)
+    monkeypatch.undo()
+    clipped = 0
+    for raw in seq:
+        host_grads.copy_(raw * loss_scale)
+        clipped += float(torch.linalg.vector_norm(raw)) > 2.0
+        host_opt.step(0.01, loss_scale=loss_scale, clip=True)
+    assert 3 < clipped < len(seq)  # both branches of the rule ran
+    torch.testing.assert_close(params, host_params, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(
