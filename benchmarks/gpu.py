@@ -48,7 +48,7 @@ from benchmarks._hf import SCALE_MODELS, scale_spec
 from ort_trainer import ORTTrainer, optim
 
 SECTIONS = ("sync", "speed", "zoo", "memory")
-CONTENDERS = ("pytorch", "pytorch_sdpa", "ort_autograd", "pytorch_sdpa_tf32", "ort_autograd_tf32")
+CONTENDERS = ("pytorch", "pytorch_sdpa", "ort_autograd", "pytorch_sdpa_tf32", "ort_autograd_tf32", "ort_autograd_pow2")
 ZOO_STEPS, ZOO_LR, ZOO_DECAY, ZOO_EPS = 5, 1e-3, 0.01, 1e-5  # tests/zoo/test_zoo.py's
 
 
@@ -66,11 +66,14 @@ def _strict_fp32(tf32: bool) -> None:
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
 
 
-def _ort_options(tf32: bool, clip: bool = False, session_options=None) -> dict:
+def _ort_options(tf32: bool, clip: bool = False, session_options=None, arena: str | None = None) -> dict:
+    cuda = {"use_tf32": "1" if tf32 else "0"}
+    if arena:  # ORTTrainer's default is kSameAsRequested; _pow2: ORT's own default, kNextPowerOfTwo
+        cuda["arena_extend_strategy"] = arena
     options = {
         "device": {"id": "cuda:0" if _DEVICE == "cuda" else "cpu"},
         "utils": {"grad_norm_clip": clip, "engine": "autograd"},
-        "provider_options": {"CUDAExecutionProvider": {"use_tf32": "1" if tf32 else "0"}},
+        "provider_options": {"CUDAExecutionProvider": cuda},
     }
     if session_options is not None:
         options["session_options"] = session_options
@@ -106,6 +109,8 @@ def run_zoo(args) -> list[dict]:
     _strict_fp32(False)
     rows = []
     for name in sorted(ARCHITECTURES):
+        if args.zoo_archs and name not in args.zoo_archs.split(","):
+            continue
         if name in AUTOGRAD_REFUSED:
             rows.append({"arch": name, "status": "refused on every device (docs/engines.md)"})
             continue
@@ -204,7 +209,7 @@ def run_sync(args) -> dict:
 def _build(name: str, args):
     tf32 = name.endswith("_tf32")
     _strict_fp32(tf32)
-    base = name.removesuffix("_tf32")
+    base = name.removesuffix("_tf32").removesuffix("_pow2")
     spec = scale_spec(args.model, args.batch, "sdpa" if base.endswith("_sdpa") else "eager")
     torch.manual_seed(0)
     model = spec.make().to(_DEVICE)
@@ -228,7 +233,7 @@ def _build(name: str, args):
             spec.desc,
             optim.AdamConfig(lr=LR, alpha=BETAS[0], beta=BETAS[1], lambda_coef=WEIGHT_DECAY, epsilon=EPS),
             loss_fn=spec.loss_fn,
-            options=_ort_options(tf32),
+            options=_ort_options(tf32, arena="kNextPowerOfTwo" if name.endswith("_pow2") else None),
         )
 
         def step(batch):
@@ -336,6 +341,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--mem-steps", type=int, default=3)
+    parser.add_argument("--zoo-archs", default="", help="comma-separated: only these zoo architectures")
     parser.add_argument("--mem-contenders", default="pytorch,pytorch_sdpa,ort_autograd")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the script")

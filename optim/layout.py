@@ -40,14 +40,20 @@ class FlatLayout:
     Args:
         named_shapes: ``[(name, shape), ...]``; shapes are sequences of non-negative ints
             (``torch.Size`` works). Names must be unique.
+        align: every slot starts at a multiple of this many elements; the gaps are never read by a
+            view, stay zero and update to zero. 1 (the default) packs the tensors back to back. On a
+            GPU, kernels need aligned pointers (cuDNN refuses a convolution weight at an odd offset).
     """
 
-    def __init__(self, named_shapes: Iterable[tuple[str, Sequence[int]]]):
+    def __init__(self, named_shapes: Iterable[tuple[str, Sequence[int]]], align: int = 1):
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+            raise ValueError(f"FlatLayout: align must be a positive int (elements), got {align!r}")
         slots: list[ParamSlot] = []
         offset = 0
         for entry in named_shapes:
             name, shape = _check_entry(entry)
             numel = math.prod(shape)
+            offset = -(-offset // align) * align
             slots.append(ParamSlot(name, shape, offset, numel))
             offset += numel
         duplicates = sorted(n for n, k in Counter(s.name for s in slots).items() if k > 1)

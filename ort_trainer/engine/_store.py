@@ -117,6 +117,18 @@ class ParamStore:
         return [n for n in self.state.parameters if n in self.frozen]
 
 
+# Elements (of float32) between parameter starts in a GPU's flat buffers: 256 bytes, what cuDNN and vectorised
+# kernels expect of a tensor (torch's allocator hands out 512-byte aligned blocks). Packed back to back, a
+# convolution weight after an odd-sized bias fails in cuDNN (CUDNN_STATUS_BAD_PARAM_MISALIGNED_POINTER, seen on an
+# H100 with onnxruntime-gpu 1.31). ZeRO keeps its packed layout: its shards are cut from the flat buffer.
+_GPU_ALIGN = 64
+
+
+def _alignment(device: torch.device, sharded: bool) -> int:
+    """Elements between parameter starts in the flat buffers: `_GPU_ALIGN` on a GPU, packed on the CPU."""
+    return _GPU_ALIGN if device.type != "cpu" and not sharded else 1
+
+
 def build_store(
     model: torch.nn.Module | onnx.ModelProto,
     optim_config: Any,
@@ -144,7 +156,9 @@ def build_store(
     optim_config.check_param_names(trainable)
     order = {name: i for i, name in enumerate(trainable)}
     trainable.sort(key=lambda n: (optim_config.group_index(n), order[n]))
-    layout = FlatLayout([(name, tuple(state.initial[name].shape)) for name in trainable])
+    # on a GPU each parameter starts on a 256-byte boundary, as a tensor of its own would (see `_GPU_ALIGN`)
+    align = _alignment(device, sharded=dist is not None and zero_stage > 0)
+    layout = FlatLayout([(name, tuple(state.initial[name].shape)) for name in trainable], align=align)
     zero = ZeroPartition(layout, dist.world_size, dist.rank) if dist is not None and zero_stage > 0 else None
     store = _allocate(state, layout, zero, device, dist)
     _shapes_only(state, store)
