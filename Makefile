@@ -12,7 +12,7 @@ OB_STAMP := $(OB_VENV)/.installed
 # the stock venv has no onnxruntime-training: tests that mean the onnxblock engine run in .venv-onnxblock
 STOCK := not onnxblock
 
-.PHONY: test test-faults test-zoo test-hf test-onnxblock demo lint bench clean
+.PHONY: test test-faults test-zoo test-hf test-onnxblock test-install demo lint bench clean
 
 # A venv is rebuilt from scratch when its lock changes: installing one runtime over the other is never an upgrade.
 $(STAMP): requirements.txt setup.py
@@ -36,7 +36,7 @@ $(OB_STAMP): requirements-onnxblock.txt setup.py
 # `make test-hf` runs the long ort_trainer.hf comparisons; `make test-onnxblock` runs the suite and the zoo
 # in the onnxruntime-training venv (CI runs all five).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not faults and not zoo and not hf_long and $(STOCK)" tests
+	$(PY) -m pytest -q -m "not faults and not zoo and not hf_long and not install and $(STOCK)" tests
 
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m "faults and $(STOCK)" tests
@@ -51,8 +51,12 @@ test-hf: $(STAMP)
 # onnxruntime-training: the main suite (its default engine there is onnxblock) and the onnxblock zoo (the
 # autograd zoo runs in `make test-zoo`); tests/checkpoint (files, sets, storage: no graph) runs in `make test` only
 test-onnxblock: $(OB_STAMP)
-	$(OB_PY) -m pytest -q -m "not faults and not hf_long and not (zoo and not onnxblock)" --ignore=tests/checkpoint tests
+	$(OB_PY) -m pytest -q -m "not faults and not hf_long and not install and not (zoo and not onnxblock)" --ignore=tests/checkpoint tests
 	$(OB_PY) -m pytest -q -m "onnxblock" tests/checkpoint
+
+# `pip install .` from clean venvs against the package index: stock only, onnxruntime-training only, switching
+test-install: $(STAMP)
+	$(PY) -m pytest -q -m install tests
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py

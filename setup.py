@@ -38,11 +38,17 @@ PACKAGES, PACKAGE_DIR = _packages()
 # environment, no second runtime is required: both provide the `onnxruntime` module and must never be
 # installed over each other (docs/engines.md; the trainer refuses to start when they are).
 STOCK_RUNTIME = "onnxruntime>=1.20,<2"
-_OTHER_RUNTIMES = ("onnxruntime-training", "onnxruntime-training-cpu", "onnxruntime-gpu")
+# onnxruntime-training 1.19.2 reads the models onnx 1.17 writes and rejects newer IR versions; its wheel does not
+# say so, so where it is installed we do (a training venv would otherwise get the newest onnx beside it)
+TRAINING_ONNX = "onnx>=1.17,<1.18"
+_TRAINING_RUNTIMES = ("onnxruntime-training", "onnxruntime-training-cpu")
+_OTHER_RUNTIMES = (*_TRAINING_RUNTIMES, "onnxruntime-gpu")
 
 
 def runtime_requirements(installed: set[str]) -> list[str]:
     """The runtime to require, given the distribution names already installed in the target environment."""
+    if installed & set(_TRAINING_RUNTIMES):
+        return [TRAINING_ONNX]
     return [] if installed & set(_OTHER_RUNTIMES) else [STOCK_RUNTIME]
 
 
