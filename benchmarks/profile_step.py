@@ -57,6 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="ORT intra-op spinning; stop: session.force_spinning_stop=1 (spin only inside Run)",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch profile")
+    parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=("auto", "onnxblock", "autograd", "both"),
+        help="the ORTTrainer engine(s) to profile (both: side by side; needs onnxruntime-training)",
+    )
     parser.add_argument("--json", help="write the aggregated profiles to this file")
     return parser.parse_args(argv)
 
@@ -72,7 +78,13 @@ def _timed(fn, sink: list):
     return wrapper
 
 
-def profile_ort(spec, model, args, rewrites: bool) -> dict:
+def _train_session(session):
+    """The ONNX Runtime session that runs training steps, for either engine's session object."""
+    train = session._train
+    return next(reversed(train.values())).session if isinstance(train, dict) else train
+
+
+def profile_ort(spec, model, args, rewrites: bool, engine_name: str = "auto") -> dict:
     folder = tempfile.mkdtemp(prefix="ort_profile_")
     spinning = {"default": None, "on": True, "off": False, "stop": None}[args.spinning]
     try:
@@ -80,7 +92,8 @@ def profile_ort(spec, model, args, rewrites: bool) -> dict:
             args.threads, spinning, profile_prefix=str(Path(folder) / "train"), stop_spinning=args.spinning == "stop"
         )
         batches = spec.batches(4)
-        step, trainer = ort_trainer_step(spec, model, options, rewrites, batches[0])
+        utils = None if engine_name == "auto" else {"engine": engine_name}
+        step, trainer = ort_trainer_step(spec, model, options, rewrites, batches[0], utils)
         for i in range(args.warmup):
             step(batches[i % len(batches)])
         engine = trainer._trainer_state.engine  # the benchmark reaches into the engine to time its two halves
@@ -91,7 +104,7 @@ def profile_ort(spec, model, args, rewrites: bool) -> dict:
             start = time.perf_counter()
             step(batches[i % len(batches)])
             step_times.append(time.perf_counter() - start)
-        trace = json.loads(Path(engine.session._train.end_profiling()).read_text())
+        trace = json.loads(Path(_train_session(engine.session).end_profiling()).read_text())
         result = summarize_ort_trace(trace, skip_runs=1 + args.warmup, steps=args.steps, top=args.top)
         runs = result.pop("model_run_each_ms")
         frontend = [
@@ -210,9 +223,13 @@ def main(argv=None) -> int:
     print(f"{spec.summary}; threads={args.threads}, {args.steps} profiled steps after {args.warmup} warm-up")
     report = {}
     variants = {"off": [False], "on": [True], "both": [False, True]}[args.rewrites]
-    for rewrites in variants:
-        label = "ORTTrainer" + (" + graph rewrites" if rewrites else "")
-        result = profile_ort(spec, model, args, rewrites)
+    engines = ["onnxblock", "autograd"] if args.engine == "both" else [args.engine]
+    for engine_name, rewrites in ((e, r) for e in engines for r in variants):
+        if engine_name == "autograd" and rewrites and len(variants) > 1:
+            continue  # the rewrites are the onnxblock graph's; the autograd graph is PyTorch's own formulas
+        label = "ORTTrainer" + (f" ({engine_name} engine)" if engine_name != "auto" else "")
+        label += " + graph rewrites" if rewrites and engine_name != "autograd" else ""
+        result = profile_ort(spec, model, args, rewrites, engine_name)
         report[label] = result
         b = result["breakdown_ms"]
         print(

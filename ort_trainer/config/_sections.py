@@ -275,6 +275,9 @@ class UtilsOptions:
     gradient builder) or "autograd" (PyTorch's autograd, any onnxruntime); "auto" takes onnxblock where
     onnxruntime-training is installed, else autograd (docs/engines.md). ``graph_cache`` (ours, default True):
     the autograd engine keeps exported graphs on disk (``ORT_TRAINER_GRAPH_CACHE*`` environment variables).
+    ``intra_op_threads`` (ours, default 0 = one per core): ONNX Runtime's intra-op threads, set on the session
+    options we make, so our other session settings stay (a user's own ``session_options`` replaces all of them;
+    then set the threads there). docs/performance.md lists the settings we make and why.
     """
 
     _PATH: ClassVar[str] = "utils"
@@ -286,6 +289,7 @@ class UtilsOptions:
     shrink_memory_arena: bool = False
     engine: str = "auto"
     graph_cache: bool = True
+    intra_op_threads: int = 0
 
     def __post_init__(self) -> None:
         c = Checker(self)
@@ -297,6 +301,7 @@ class UtilsOptions:
             c.fail("engine", "must be 'auto', 'onnxblock' or 'autograd'", is_type=True)
         elif self.engine not in ("auto", "onnxblock", "autograd"):
             c.fail("engine", f"must be 'auto', 'onnxblock' or 'autograd', got {self.engine!r}")
+        c.integer("intra_op_threads", lo=0)
         c.done()
 
 

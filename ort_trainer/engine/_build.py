@@ -119,8 +119,15 @@ def session_options_for(options: ORTTrainerOptions) -> ort.SessionOptions:
     """The ORT session options of a trainer: the user's ``session_options`` or our defaults, plus debug options."""
     given = options.session_options
     session_options = given
+    threads = options.utils.intra_op_threads
+    if given is not None and threads:
+        raise ValueError(
+            f"options.utils.intra_op_threads={threads} and options.session_options are both given: our options "
+            "apply to the session options we make; with your own, set session_options.intra_op_num_threads there"
+        )
     if session_options is None:
         session_options = ort.SessionOptions()
+        session_options.intra_op_num_threads = threads  # 0: ORT's default, one thread per core
         session_options.log_severity_level = 3  # ORT warns about every unused exporter constant otherwise
         # ORT's spinning pool threads fight torch's OpenMP threads around the optimizer step (measured:
         # MLP step 16.3 -> 10.7 ms on 2 cores). Users who pass session_options decide for themselves.

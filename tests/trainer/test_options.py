@@ -15,12 +15,12 @@ from ort_trainer.config.options import (
     OptionTypeError,
     ORTTrainerOptions,
 )
+from ort_trainer.engine._build import session_options_for  # the session options a trainer makes
 
 
 def _cast_strategy():
     """The cast-strategy enum of this runtime: onnxruntime-training's, or the stand-in with its names (stock)."""
     return type(default_cast_strategy())
-
 
 
 @pytest.fixture(autouse=True)
@@ -267,6 +267,22 @@ def test_session_options_are_kept_by_reference():
     assert ORTTrainerOptions({"session_options": session_options}).session_options is session_options
 
 
+def test_intra_op_threads_keep_our_other_session_settings():
+    made = session_options_for(ORTTrainerOptions({"utils": {"intra_op_threads": 1}}))
+    assert made.intra_op_num_threads == 1
+    assert made.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert made.enable_mem_pattern is False and made.log_severity_level == 3
+    assert session_options_for(ORTTrainerOptions()).intra_op_num_threads == 0  # ORT's default: one per core
+
+
+def test_intra_op_threads_beside_own_session_options_is_refused_naming_both():
+    options = ORTTrainerOptions({"utils": {"intra_op_threads": 2}, "session_options": onnxruntime.SessionOptions()})
+    with pytest.raises(ValueError, match=r"utils.intra_op_threads=2 and options.session_options are both given"):
+        session_options_for(options)
+    with pytest.raises(OptionsError, match=r"utils.intra_op_threads: expected int >= 0, got -1"):
+        ORTTrainerOptions({"utils": {"intra_op_threads": -1}})
+
+
 def test_lr_scheduler_instance_is_accepted():
     lr_scheduler = importlib.import_module("ort_trainer.optim.lr_scheduler")
     scheduler = lr_scheduler.ConstantWarmupLRScheduler(total_steps=10, warmup=0.5)
@@ -346,4 +362,3 @@ def test_check_implemented_lists_every_offender():
     with pytest.raises(NotImplementedError) as info:
         options.check_implemented()
     assert "distributed.enable_adasum" in str(info.value) and "utils.memory_efficient_gradient" in str(info.value)
-
