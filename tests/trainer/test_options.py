@@ -22,7 +22,6 @@ def _cast_strategy():
     return type(default_cast_strategy())
 
 
-
 @pytest.fixture(autouse=True)
 def _no_torchrun_env(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -346,4 +345,3 @@ def test_check_implemented_lists_every_offender():
     with pytest.raises(NotImplementedError) as info:
         options.check_implemented()
     assert "distributed.enable_adasum" in str(info.value) and "utils.memory_efficient_gradient" in str(info.value)
-
