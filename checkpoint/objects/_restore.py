@@ -85,13 +85,16 @@ def _stored_state(full: Mapping[str, Any], name: str, kind: str, source: str) ->
     return full_optimizer_state(state["param_groups"], shards)
 
 
+_A = {MODULE: "a module", OPTIMIZER: "an optimizer", SHARDED: "a ZeroRedundancyOptimizer", OBJECT: "an object"}
+
+
 def _check_kind(entry: Entry, stored: tuple[str, str], source: str) -> None:
     kind, stored_type = stored
     wanted = {MODULE: {MODULE}, OPTIMIZER: {OPTIMIZER, SHARDED}, SHARDED: {OPTIMIZER, SHARDED}, OBJECT: {OBJECT}}
     if kind not in wanted[entry.kind]:
         raise ValueError(
-            f"cannot restore state[{entry.name!r}] ({entry.type}, a {entry.kind.replace('_', ' ')}) from {source}: "
-            f"it holds a {kind.replace('_', ' ')} ({stored_type}) under that name"
+            f"cannot restore state[{entry.name!r}] ({entry.type}, {_A[entry.kind]}) from {source}: "
+            f"it holds {_A[kind]} ({stored_type}) under that name"
         )
     if entry.kind in (OPTIMIZER, SHARDED) and stored_type != entry.type:
         raise ValueError(

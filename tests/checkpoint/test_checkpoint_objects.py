@@ -198,11 +198,11 @@ def test_a_failed_restore_leaves_every_object_as_it_was(tmp_path):
     with pytest.raises(ValueError, match=r"state\['optimizer'\].*AdamW, the optimizer is a torch.optim.sgd.SGD"):
         load_objects({"mine": other_mine, "optimizer": sgd}, path)
     one_group = torch.optim.AdamW(other.model.parameters())
-    with pytest.raises(ValueError, match=r"2 parameter group\(s\) of \[3, 5\] parameters.*1 of \[8\]"):
+    with pytest.raises(ValueError, match=r"2 parameter group\(s\) of \[2, 4\] parameters.*1 of \[6\]"):
         load_objects({"optimizer": one_group}, path)
     with pytest.raises(KeyError, match=r"holds no object 'ema'; it holds \['mine', 'model'"):
         load_objects({"mine": other_mine, "ema": Mine()}, path)
-    with pytest.raises(ValueError, match=r"state\['mine'\].*holds a module"):
+    with pytest.raises(ValueError, match=r"state\['model'\] \(tests.*Mine, an object\).*holds a module \(torch.nn"):
         load_objects({"model": other_mine}, path)
     assert other_mine.value == {"mine": "before"}
 
