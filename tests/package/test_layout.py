@@ -128,7 +128,8 @@ def test_packages_meet_only_at_public_seams():
 
 
 def test_config_and_checkpoint_rooms_import_one_way():
-    """config/ is read by every room and reads none; diagnosis/ sits below graph/; checkpoint: format <- sets <- io <- objects <- manager."""
+    """config/ is read by every room and reads none; diagnosis/ sits below graph/;
+    checkpoint: format <- sets <- io <- objects <- manager."""
     graph = _import_graph(type_checking=True)
     rooms = ("ort_trainer.graph", "ort_trainer.engine", "ort_trainer._state", "ort_trainer.diagnosis")
     lower = {
