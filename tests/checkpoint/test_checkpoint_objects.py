@@ -263,3 +263,18 @@ def test_rng_state_restores_torch_python_and_numpy_generators():
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
     with pytest.raises(ValueError, match="not an RNGState state_dict"):
         rng.load_state_dict({"torch": saved["torch"]})
+
+
+def test_a_run_directory_behind_an_fsspec_url_saves_prunes_and_restores(tmp_path):
+    import uuid
+
+    loop = make_loop()
+    manager = CheckpointManager(f"memory://objects/{uuid.uuid4().hex}", keep_last=1, async_save=True)
+    for step in (1, 2):
+        train(loop, step - 1, step)
+        manager.save(state_of(loop), step)
+    manager.wait()
+    assert [c.step for c in manager.checkpoints()] == [2]
+    other = make_loop(seed=6)
+    assert manager.restore(state_of(other)).step == 2
+    assert_trees_equal(_states(state_of(other)), _states(state_of(loop)))
