@@ -117,6 +117,9 @@ def test_training_on_after_a_restore_equals_the_run_that_never_stopped(tmp_path)
     train(resumed, restored.step, STEPS)
     assert_trees_equal(weights(resumed), weights(reference))
     assert_trees_equal(resumed.optimizer.state_dict(), reference.optimizer.state_dict())
+    # (loss scales are powers of 2: the weights alone would not show a scaler left unrestored)
+    assert resumed.scaler.state_dict() == reference.scaler.state_dict()
+    assert resumed.scheduler.state_dict() == reference.scheduler.state_dict()
 
 
 def test_async_saves_copy_the_state_at_the_call_and_keep_rules_prune(tmp_path):
