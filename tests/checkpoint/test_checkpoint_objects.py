@@ -281,3 +281,15 @@ def test_a_run_directory_behind_an_fsspec_url_saves_prunes_and_restores(tmp_path
     other = make_loop(seed=6)
     assert manager.restore(state_of(other)).step == 2
     assert_trees_equal(_states(state_of(other)), _states(state_of(loop)))
+
+
+def test_a_trainer_refuses_a_checkpoint_of_objects_and_says_what_loads_it(tmp_path):
+    from ort_trainer import ORTTrainer, optim
+    from tests.models import MLP, MLP_DESC
+
+    trainer = ORTTrainer(MLP(), MLP_DESC, optim.AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
+    before = {k: v.clone() for k, v in trainer.state_dict(pytorch_format=True).items()}
+    save_objects({"model": MLP()}, tmp_path / "objects.ortcp")
+    with pytest.raises(ValueError, match=r"objects.ortcp holds a dict of objects.*\['model'\].*load_objects"):
+        trainer.load_checkpoint(tmp_path / "objects.ortcp")
+    assert_trees_equal(trainer.state_dict(pytorch_format=True), before)

@@ -51,3 +51,10 @@ def test_ddp_writes_once_and_zero_shards_aggregate_and_load_into_any_world_size(
         assert_trees_equal({str(k): v for k, v in adamw.state_dict()["state"].items()}, expected)
         saved_groups = decode_user_value(aggregated["stateful"]["optimizer"], "stateful/optimizer")["param_groups"]
         assert [g["lr"] for g in adamw.param_groups] == [g["lr"] for g in saved_groups]
+
+    from ort_trainer import ORTTrainer, optim
+    from tests.models import MLP, MLP_DESC
+
+    trainer = ORTTrainer(MLP(), MLP_DESC, optim.AdamConfig(), loss_fn=torch.nn.functional.cross_entropy)
+    with pytest.raises(ValueError, match=r"holds a dict of objects \['model', 'optimizer', 'scheduler'\]"):
+        trainer.load_checkpoint(manifest)  # an ORTTrainer is told what loads the set
