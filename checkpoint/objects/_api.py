@@ -41,7 +41,8 @@ def save_objects(
     are a TypeError naming their key path, before anything is written. ``async_save=True`` copies the state
     at the call and writes in the background (``handle.wait()``). Under ``torch.distributed`` every rank
     calls it: rank 0 writes the state once; with a ``ZeroRedundancyOptimizer`` every rank writes its shard
-    into a rank set (``path`` is then the set's manifest name stem, as for ``ORTTrainer.save_checkpoint``).
+    into a rank set named after ``path`` (rank files beside it, ``<path>.manifest.json`` the set's commit
+    point), as ``ORTTrainer.save_checkpoint`` does.
     """
     return _save(_IO, state, path, step, user_dict, overwrite, async_save, storage_options)
 
