@@ -8,17 +8,19 @@ format is documented in ``checkpoint/format/FORMAT.md``. Distributed saves: ``ag
 ``reshard_state`` and ``megatron.partition[_grid]`` split one, and ``rank_checkpoint_path``,
 ``manifest_path``, ``write_manifest`` and ``check_manifest`` name and verify the rank files.
 
-``CheckpointManager`` keeps a run directory of numbered checkpoints (keep rules, restore-latest);
-``io`` moves checkpoints: asynchronous saves (``SaveHandle``) and storage behind fsspec URLs.
+``CheckpointManager`` keeps a run directory of numbered checkpoints (keep rules, restore-latest) of a
+trainer or of a custom loop's dict of Stateful objects (``objects``: ``save_objects``, ``load_objects``,
+``RNGState``); ``io`` moves checkpoints: asynchronous saves (``SaveHandle``) and storage behind fsspec URLs.
 
 Layout: ``format/`` is one file (HDF5 reader/writer, header, codec, schema, user_dict), ``sets/`` the
 files of a distributed save (manifest, rank sets, writing a set, aggregation, ZeRO and Megatron
-partitioning), ``io/`` async writer, host snapshot and fsspec locations, ``manager/`` the
+partitioning), ``io/`` async writer, host snapshot and fsspec locations, ``objects/`` checkpoints of a
+custom loop's objects, ``manager/`` the
 checkpoint manager, ``cli/`` the ``ort-trainer-ckpt`` command (one module per subcommand);
 ``errors`` is shared by all.
 """
 
-from . import io
+from . import io, objects
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -76,6 +78,7 @@ __all__ = [
     "RestoredCheckpoint",
     "SaveHandle",
     "io",
+    "objects",
     "Manifest",
     "ManifestEntry",
     "FORMAT_VERSION",

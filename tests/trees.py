@@ -21,6 +21,12 @@ def assert_trees_equal(a, b, path: str = "state") -> None:
             f"{path}: {ta.dtype}{tuple(ta.shape)} vs {tb.dtype}{tuple(tb.shape)}"
         )
         assert torch.equal(ta, tb), f"{path} differs (max {float((ta.double() - tb.double()).abs().max())})"
+    elif isinstance(a, list | tuple) and any(
+        isinstance(x, list | tuple | Mapping | torch.Tensor | np.ndarray) for x in a
+    ):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(a).__name__} of {len(a)} vs {b!r:.200}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_trees_equal(x, y, f"{path}/{i}")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 

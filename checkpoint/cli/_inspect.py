@@ -40,8 +40,7 @@ def _describe_reader(reader: CheckpointReader) -> dict[str, Any]:
     keys = set(reader.keys())
     infos = list(reader.walk())
     tree = [
-        {"key": key_str(k), "shape": list(i.shape), "dtype": i.dtype_name, "nbytes": value_nbytes(i)}
-        for k, i in infos
+        {"key": key_str(k), "shape": list(i.shape), "dtype": i.dtype_name, "nbytes": value_nbytes(i)} for k, i in infos
     ]
     doc: dict[str, Any] = {
         "path": str(reader.path),

@@ -98,6 +98,15 @@ STATEFUL_KEY = "stateful"  # ours: stateful/<name>, state_dict() of objects pass
 RANK_STATEFUL_KEY = "rank_stateful"  # ours: aggregated sets keep rank r's stateful group under rank_stateful/<r>
 PER_RANK_KEYS = {USER_DICT_KEY: RANK_USER_DICTS_KEY, STATEFUL_KEY: RANK_STATEFUL_KEY}  # kept per rank by aggregation
 
+# ours: checkpoints of a custom loop's dict of objects (``CheckpointManager.save({"model": m, ...}, step)``):
+# objects/<name>/kind and /type describe each object; its state_dict() is stateful/<name> (user_dict encoding);
+# a ZeroRedundancyOptimizer's per-parameter state is optimizer/<name>.<index>/... on the rank that owns it
+OBJECTS_KEY = "objects"
+OBJECT_KIND_KEY = "kind"
+OBJECT_TYPE_KEY = "type"
+OBJECT_KINDS = ("module", "optimizer", "sharded_optimizer", "object")
+OBJECTS_OPTIMIZER_NAME = "torch.optim"  # trainer_options/optimizer_name of such files
+
 # ---- ours: identity of a distributed save, one group per rank file -----------------------------
 DISTRIBUTED_KEY = "distributed"
 RUN_ID_KEY = "run_id"  # str, identical on every rank of one save (chosen by rank 0)

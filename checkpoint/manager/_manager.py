@@ -30,8 +30,10 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..io._async import SaveHandle
 from ..io._location import LocalLocation, Location, resolve
+from ..io._scheduler import CheckpointIO
 from ..io._set_writer import remove_set
 from ..io._transfer import read_manifest_at
+from ..objects import ObjectsCheckpointable
 from ..sets._manifest import check_manifest
 from ._index import INDEX_NAME, MAX_STEP, IndexEntry, checkpoint_name, read_index, scan, write_index
 from ._policy import RetentionPolicy, check_metrics
@@ -112,6 +114,7 @@ class CheckpointManager:
         self._in_flight: set[int] = set()  # steps whose save this process started and has not seen finish
         self._handle: SaveHandle | None = None
         self._error: SaveHandle | None = None  # a pruning failure, raised by the next call
+        self._objects_io: CheckpointIO | None = None  # the background writer of saves of a dict of objects
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory.display!r}, {self.policy})"
@@ -135,15 +138,27 @@ class CheckpointManager:
         return found[-1] if found else None
 
     # ------------------------------------------------------------------ saving
+    def _as_checkpointable(self, trainer: Checkpointable | Mapping[str, Any]) -> Checkpointable:
+        """A trainer as it is; a custom loop's dict of objects behind :class:`ObjectsCheckpointable`."""
+        if not isinstance(trainer, Mapping):
+            return trainer
+        if self._objects_io is None:
+            self._objects_io = CheckpointIO()
+        return ObjectsCheckpointable(trainer, self._objects_io)
+
     def save(
         self,
-        trainer: Checkpointable,
+        trainer: Checkpointable | Mapping[str, Any],
         step: int | None = None,
         *,
         metrics: Mapping[str, Any] | None = None,
         user_dict: Mapping | None = None,
     ) -> SaveHandle:
         """Save ``trainer`` as checkpoint ``step`` (default: its ``train_step_info.step``), then prune.
+
+        ``trainer`` may also be a custom loop's dict of objects with ``state_dict()`` / ``load_state_dict()``
+        (``{"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "rng": RNGState()}``); then
+        ``step`` is required. See docs/custom_loop_checkpoints.md.
 
         Returns the save's :class:`~ort_trainer.checkpoint.io.SaveHandle`, already done unless ``async_save``:
         an asynchronous save is durable only once published (``handle.wait()`` blocks until then and raises
@@ -152,6 +167,9 @@ class CheckpointManager:
         durable; its failure (and a background save's) is raised by the next call.
         """
         self._raise_pending()
+        if isinstance(trainer, Mapping) and step is None:
+            raise ValueError("step is required when saving a dict of objects: manager.save(state, step)")
+        trainer = self._as_checkpointable(trainer)
         step = trainer.train_step_info.step if step is None else step
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -161,6 +179,8 @@ class CheckpointManager:
         trainer.wait_for_checkpoint()  # the previous save (and its pruning) first; raises its error
         self._raise_pending()
         self._refuse_lower_step(step)
+        if isinstance(trainer, ObjectsCheckpointable):
+            trainer.step = step
         rank0 = _rank(trainer) == 0
         self.directory.make_dirs()  # on every rank: each checks its folder before a distributed save
         if rank0:
@@ -225,7 +245,9 @@ class CheckpointManager:
             )
 
     # ------------------------------------------------------------------ restoring
-    def restore(self, trainer: Checkpointable, step: int | None = None) -> RestoredCheckpoint | None:
+    def restore(
+        self, trainer: Checkpointable | Mapping[str, Any], step: int | None = None
+    ) -> RestoredCheckpoint | None:
         """Load the newest complete checkpoint (or checkpoint ``step``) into ``trainer``.
 
         Returns a :class:`RestoredCheckpoint`: its ``step``, ``path``, and the ``user_dict`` and ``metrics``
@@ -234,9 +256,11 @@ class CheckpointManager:
         damage: the directory is scanned again and the newest checkpoint now there is loaded. Returns None
         when the directory holds no checkpoint (a fresh start); raises CheckpointCorruptError when
         checkpoints exist but none of them loads. On W > 1 ranks all ranks load the checkpoint rank 0
-        chose, and skip together.
+        chose, and skip together. ``trainer`` may be a dict of objects as for :meth:`save`: every object is
+        validated before any is loaded, and a failed restore leaves them all as they were.
         """
         self._raise_pending()
+        trainer = self._as_checkpointable(trainer)
         gather = trainer.all_gather_objects
         skipped: list[str] = []
         damaged: set[int] = set()

@@ -19,6 +19,7 @@ from ._manifest import (
     read_manifest,
     write_manifest,
 )
+from ._per_rank import own_rank_section
 
 __all__ = [
     "AggregationError",
@@ -31,6 +32,7 @@ __all__ = [
     "is_manifest",
     "manifest_path",
     "megatron",
+    "own_rank_section",
     "rank_checkpoint_path",
     "read_manifest",
     "reshard_state",

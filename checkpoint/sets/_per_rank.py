@@ -14,7 +14,7 @@ from typing import Any
 from ..format import _schema as S
 from ..format._lazy_torch import is_tensor, torch
 
-__all__ = ["per_rank_entries", "sections_that_differ"]
+__all__ = ["own_rank_section", "per_rank_entries", "sections_that_differ"]
 
 Key = tuple[str, ...]
 
@@ -51,6 +51,16 @@ def per_rank_entries(
                 if key[0] == section and len(key) > 1:
                     entries.append(((target, str(rank), *key[1:]), None if info is None else rank, key))
     return entries
+
+
+def own_rank_section(full: dict[str, Any], section: str, rank: int | None, world_size: int | None) -> Any:
+    """Pop ``section`` (user_dict / stateful) and its per-rank copies from an aggregated state; return the
+    loading rank's own when the set was saved by as many ranks as load it, else rank 0's."""
+    per_rank = full.pop(S.PER_RANK_KEYS[section], None)
+    value = full.pop(section, None)
+    if isinstance(per_rank, Mapping) and rank is not None and len(per_rank) == world_size and str(rank) in per_rank:
+        return per_rank[str(rank)]
+    return value
 
 
 def _same_tree(a: Any, b: Any) -> bool:

@@ -4,7 +4,10 @@ The installed package holds ``ort_trainer/checkpoint``, ``ort_trainer/optim`` an
 in the repository those folders sit at the top, next to ``ort_trainer/`` (``setup.py`` maps them with
 ``package_dir``). Python run in the repository root finds the local ``ort_trainer/`` folder first,
 whatever is installed, and without help would not find its three subpackages. :func:`install` adds a
-finder for exactly those three names, and only when the folder it was imported from lacks them.
+finder for exactly those three names, and only when the folder it was imported from lacks them. It goes
+first in ``sys.meta_path``: an editable install of another checkout (a second git worktree run with
+``PYTHONPATH=<worktree>``) has a finder of its own for the same names, which would otherwise mix the
+worktree's trainer with the other checkout's ``checkpoint``, ``optim`` and ``amp``.
 """
 
 from __future__ import annotations
@@ -43,4 +46,4 @@ def install(package_file: str) -> None:
     if not all((root / sub / "__init__.py").is_file() for sub in SUBPACKAGES):
         return
     if not any(isinstance(f, _SourceTreeFinder) for f in sys.meta_path):
-        sys.meta_path.append(_SourceTreeFinder(root))
+        sys.meta_path.insert(0, _SourceTreeFinder(root))  # before an editable install of another checkout

@@ -147,6 +147,8 @@ def _load_local(
 ) -> dict[str, Any]:
     if _is_partitioned_set(paths):
         full = checkpoint.aggregate_checkpoints(list(paths) if len(paths) > 1 else paths[0])
+        if isinstance(full.get(S.OBJECTS_KEY), Mapping):
+            _refuse_objects(paths[0], full[S.OBJECTS_KEY])
         sections = _own_sections(trainer, full)
         user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, paths[0])
         undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(paths[0]))
@@ -154,6 +156,8 @@ def _load_local(
         return user_dict
     with checkpoint.open_checkpoint(paths[0]) as reader:
         reader.verify()
+        if S.OBJECTS_KEY in reader.keys():
+            _refuse_objects(reader.path, reader.tree_info((S.OBJECTS_KEY,)))
         sections = _own_sections(trainer, {k: reader.read(k) for k in _SECTION_KEYS if k in reader.keys()})
         user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, reader.path)
         undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(reader.path))
@@ -184,6 +188,15 @@ def _undo_on_error(undo, load, *args, **kwargs) -> None:
     except BaseException:
         undo()
         raise
+
+
+def _refuse_objects(path: Any, objects: Mapping) -> None:
+    """A checkpoint of a custom loop's dict of objects is not a trainer's: say what loads it (before any change)."""
+    raise ValueError(
+        f"{path} holds a dict of objects {sorted(objects)} (saved by CheckpointManager.save(dict, step) or "
+        "checkpoint.objects.save_objects), not an ORTTrainer's state: restore it with "
+        "CheckpointManager.restore(dict) or checkpoint.objects.load_objects(dict, path)"
+    )
 
 
 def _is_partitioned_set(paths: Sequence[str | os.PathLike]) -> bool:

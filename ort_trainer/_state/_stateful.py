@@ -16,6 +16,7 @@ from typing import Any
 
 from ort_trainer.checkpoint.format import decode_user_value, encode_user_value
 from ort_trainer.checkpoint.format import schema as S
+from ort_trainer.checkpoint.sets import own_rank_section
 
 __all__ = ["encode_stateful", "load_stateful", "own_rank_section"]
 
@@ -68,13 +69,3 @@ def load_stateful(stateful: Mapping[str, Any] | None, stored: Any, source: str) 
         undo()
         raise
     return undo
-
-
-def own_rank_section(full: dict[str, Any], section: str, rank: int | None, world_size: int | None) -> Any:
-    """Pop ``section`` (user_dict / stateful) and its per-rank copies from an aggregated state; return the
-    loading rank's own when the set was saved by as many ranks as load it, else rank 0's."""
-    per_rank = full.pop(S.PER_RANK_KEYS[section], None)
-    value = full.pop(section, None)
-    if isinstance(per_rank, Mapping) and rank is not None and len(per_rank) == world_size and str(rank) in per_rank:
-        return per_rank[str(rank)]
-    return value

@@ -26,8 +26,19 @@ from ort_trainer import checkpoint as C
 from tests.crafted_files import ACCEPTED, CASES, base_tree, build
 from tests.paths import REPO
 
-READERS = ("load", "walk_read", "verify", "aggregate", "aggregate_to_file", "cli_inspect", "cli_verify", "cli_diff",
-           "cli_convert", "cli_aggregate", "trainer_load")
+READERS = (
+    "load",
+    "walk_read",
+    "verify",
+    "aggregate",
+    "aggregate_to_file",
+    "cli_inspect",
+    "cli_verify",
+    "cli_diff",
+    "cli_convert",
+    "cli_aggregate",
+    "trainer_load",
+)
 # Address space a case may add to the helper's (its VmSize after importing torch, ~0.75 GB). Measured:
 # the sound files pass every reader with 16 MiB; 256 MiB leaves room and still stops an allocation of a
 # crafted declared size (the 1 GiB bomb, the 4 TiB datasets) with a MemoryError, which fails the case.

@@ -23,4 +23,3 @@ def test_memory_is_released_after_the_build_and_once_after_the_first_training_ru
     for batch in batches:
         trainer.train_step(*batch)
     assert calls == ["build", "first run"]  # not once per step: a trim costs a garbage collection
-

@@ -324,4 +324,3 @@ def test_inspect_names_only_what_it_reads(tmp_path, capsys):
     assert cli.main(["inspect", str(notes)]) == 2
     err = capsys.readouterr().err
     assert err == f"ort-trainer-ckpt: error: {notes} is not a checkpoint (HDF5) or a manifest (.manifest.json)\n"
-

@@ -128,14 +128,25 @@ def test_packages_meet_only_at_public_seams():
 
 
 def test_config_and_checkpoint_rooms_import_one_way():
-    """config/ is read by every room and reads none; diagnosis/ sits below graph/; checkpoint: format <- sets <- io."""
+    """config/ is read by every room and reads none; diagnosis/ sits below graph/;
+    checkpoint: format <- sets <- io <- objects <- manager."""
     graph = _import_graph(type_checking=True)
     rooms = ("ort_trainer.graph", "ort_trainer.engine", "ort_trainer._state", "ort_trainer.diagnosis")
     lower = {
         "ort_trainer.config": (*rooms, "ort_trainer.trainer"),
         "ort_trainer.diagnosis": (*rooms[:3], "ort_trainer.trainer"),
-        "ort_trainer.checkpoint.sets": ("ort_trainer.checkpoint.io", "ort_trainer.checkpoint.manager"),
-        "ort_trainer.checkpoint.format": ("ort_trainer.checkpoint.io", "ort_trainer.checkpoint.sets"),
+        "ort_trainer.checkpoint.sets": (
+            "ort_trainer.checkpoint.io",
+            "ort_trainer.checkpoint.objects",
+            "ort_trainer.checkpoint.manager",
+        ),
+        "ort_trainer.checkpoint.format": (
+            "ort_trainer.checkpoint.io",
+            "ort_trainer.checkpoint.sets",
+            "ort_trainer.checkpoint.objects",
+        ),
+        "ort_trainer.checkpoint.io": ("ort_trainer.checkpoint.objects", "ort_trainer.checkpoint.manager"),
+        "ort_trainer.checkpoint.objects": ("ort_trainer.checkpoint.manager", "ort_trainer.checkpoint.cli"),
     }
     for name, edges in graph.items():
         for room, forbidden in lower.items():
