@@ -43,9 +43,10 @@ ONNXBLOCK_ONLY = frozenset(
         "graph/test_scaled_sum.py",
         "graph/test_split_accumulation.py",
         "distributed/test_megatron.py",
-        # Stock onnxruntime 1.31: a child forked while a save holds its file open blocks on a futex (single
-        # thread, a lock some thread of the parent held at the fork; the process has ORT's telemetry database
-        # open), so the test's children never report. Found 2026-11-27, open in issue S: until then it runs
+        # Stock onnxruntime 1.31: a forked child that exits through sys.exit blocks forever in ORT's own C++
+        # static destructors (pthread_cond_destroy on the parent's thread-pool state; microsoft/onnxruntime
+        # PR 31961, open), so the test's os.fork children never report. Freeing inherited sessions in a child no
+        # longer hangs (engine/_fork_safety.py, tests/engine/test_fork_safety.py); the exit is ORT's. It runs
         # where onnxruntime-training is installed (`make test-onnxblock`), where it passes.
         "checkpoint/test_checkpoint_fork.py",
     }

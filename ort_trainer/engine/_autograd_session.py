@@ -32,6 +32,7 @@ from onnx import numpy_helper
 from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.graph.autograd import TracedGraph, TraceError
 
+from ._fork_safety import track
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
 from ._random import draws_randomness
@@ -58,7 +59,7 @@ class _ShapeSession:
         options, device = owner._session_options, owner._device
         with quiet_native_info_logs():
             try:
-                self.session = ort.InferenceSession(graphs.model.SerializeToString(), options, device.providers)
+                self.session = track(ort.InferenceSession(graphs.model.SerializeToString(), options, device.providers))
             except Exception as error:  # noqa: BLE001 - ONNX Runtime's load errors are one class (Fail/InvalidGraph)
                 raise TraceError(
                     f"ONNX Runtime {ort.__version__} cannot load the exported {'training' if training else 'eval'} "

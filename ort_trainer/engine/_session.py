@@ -22,6 +22,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
 
+from ._fork_safety import track
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
 from ._random import draws_randomness
@@ -205,7 +206,9 @@ class TrainingSession:
         self._eval_model, self._session_options = eval_model, session_options
         dump = session_options.optimized_model_filepath  # debug.graph_save_paths: the training graph's, only
         with quiet_native_info_logs():
-            self._train = ort.InferenceSession(train_model.SerializeToString(), session_options, device.providers)
+            self._train = track(
+                ort.InferenceSession(train_model.SerializeToString(), session_options, device.providers)
+            )
         self._reset_flags = {flag: np.array([flag]) for flag in (True, False)}  # kept alive: ORT shares them
         self._reset_values = {flag: ort.OrtValue.ortvalue_from_numpy(a) for flag, a in self._reset_flags.items()}
         self._state = {**params, **frozen}
@@ -231,7 +234,9 @@ class TrainingSession:
         with progress.phase("eval session"), quiet_native_info_logs():
             options.optimized_model_filepath = ""  # debug.graph_save_paths names the training graph's file only
             try:
-                session = ort.InferenceSession(self._eval_model.SerializeToString(), options, self._device.providers)
+                session = track(
+                    ort.InferenceSession(self._eval_model.SerializeToString(), options, self._device.providers)
+                )
             finally:
                 options.optimized_model_filepath = self._dump
             io = self._bind_state(session, self._state, {})

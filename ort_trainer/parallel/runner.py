@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
 from ort_trainer.diagnosis import quiet_native_info_logs
+from ort_trainer.engine._fork_safety import track
 from ort_trainer.engine._session import DeviceSpec, to_ortvalue
 
 from .markers import COPY_OP
@@ -32,7 +33,7 @@ class _Runner:
 
     def __init__(self, model, options: ort.SessionOptions, device: DeviceSpec):
         with quiet_native_info_logs():
-            self.session = ort.InferenceSession(model.SerializeToString(), options, device.providers)
+            self.session = track(ort.InferenceSession(model.SerializeToString(), options, device.providers))
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
         self._bool = {o.name for o in self.session.get_outputs() if o.type == "tensor(bool)"}
