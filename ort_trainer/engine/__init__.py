@@ -20,6 +20,7 @@ from __future__ import annotations
 from ._build import BuildRequest, Engine
 from ._distributed import DistributedContext
 from ._protocols import GraphSource, ModelParallel
+from ._session import DeviceSpec, resolve_device, to_ortvalue
 from ._sources import ENGINES, build_engine, choose_engine, onnxblock_available
 from ._store import ParamStore
 from ._trainer_state import TrainerState
@@ -27,6 +28,7 @@ from ._trainer_state import TrainerState
 __all__ = [
     "ENGINES",
     "BuildRequest",
+    "DeviceSpec",
     "DistributedContext",
     "Engine",
     "GraphSource",
@@ -36,4 +38,6 @@ __all__ = [
     "build_engine",
     "choose_engine",
     "onnxblock_available",
+    "resolve_device",
+    "to_ortvalue",
 ]

@@ -6,10 +6,16 @@ graph (``bernoulli``, ``rand``, ``rand_like``, ``randn``, ``randn_like``) is rep
 the same shape that the session fills every step from a torch generator seeded with the step's seed
 (``engine._random.step_seed``): uniform samples for ``bernoulli`` (``u < p``) and ``rand``, normal ones for
 ``randn``. Masks are then a function of (run seed, rank, step) only, on CPU and GPU alike.
+
+``lift_random_ops(module, dropout_masks=True)`` (`ORTModule`'s graphs, from AOTAutograd) also lifts
+``native_dropout``: its keep-mask becomes a bool input (kind ``"keep"``, with the keep probability) that
+the caller fills as eager PyTorch's CPU Dropout draws it (``empty_like(x).bernoulli_(1 - p)`` from torch's
+generator), so the masks, and torch's RNG stream after them, are eager's own.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +37,12 @@ class RandomInput:
     shape: tuple[int, ...]
     dtype: torch.dtype
     kind: str
+    probability: float = 0.0  # kind "keep": the probability that an element is kept (1 - Dropout's p)
 
 
-def lift_random_ops(module: torch.fx.GraphModule) -> list[RandomInput]:
-    """Replace the random ops of ``module`` by new trailing placeholders, in place; what each one needs."""
+def lift_random_ops(module: torch.fx.GraphModule, *, dropout_masks: bool = False) -> list[RandomInput]:
+    """Replace the random ops of ``module`` by new trailing placeholders, in place; what each one needs, in the
+    order the graph draws them. ``dropout_masks``: ``native_dropout`` becomes a keep-mask input too."""
     graph = module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     last = placeholders[-1] if placeholders else None
@@ -43,7 +51,16 @@ def lift_random_ops(module: torch.fx.GraphModule) -> list[RandomInput]:
         if node.op != "call_function":
             continue
         target = node.target
-        if target in _UNIFORM or target in _NORMAL or target in _BERNOULLI:
+        if dropout_masks and target == _aten.native_dropout.default and _is_training_dropout(node):
+            value = node.args[0].meta["val"]
+            keep = 1.0 - float(node.args[1])
+            spec = RandomInput(f"random.{len(lifted)}", tuple(int(d) for d in value.shape), value.dtype, "keep", keep)
+            with graph.inserting_after(last) if last is not None else graph.inserting_before(None):
+                mask = graph.placeholder(spec.name.replace(".", "_"))
+            last = mask
+            _replace_dropout(graph, node, mask, keep)
+            lifted.append(spec)
+        elif target in _UNIFORM or target in _NORMAL or target in _BERNOULLI:
             value = node.meta["val"]
             kind = "normal" if target in _NORMAL else "uniform"
             spec = RandomInput(f"random.{len(lifted)}", tuple(int(d) for d in value.shape), value.dtype, kind)
@@ -62,6 +79,31 @@ def lift_random_ops(module: torch.fx.GraphModule) -> list[RandomInput]:
     graph.eliminate_dead_code()
     module.recompile()
     return lifted
+
+
+def _is_training_dropout(node: torch.fx.Node) -> bool:
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return train is not False and 0.0 < float(node.args[1]) < 1.0
+
+
+def _replace_dropout(graph: torch.fx.Graph, node: torch.fx.Node, mask: torch.fx.Node, keep: float) -> None:
+    """``native_dropout(x, p)`` -> ``(x * (float(mask) * 1/keep), mask)``, its outputs taken by ``getitem``."""
+    x = node.args[0]
+    dtype = x.meta["val"].dtype
+    with graph.inserting_after(node):
+        as_float = graph.call_function(_aten._to_copy.default, (mask,), {"dtype": dtype})
+    with graph.inserting_after(as_float):
+        scaled = graph.call_function(_aten.mul.Tensor, (as_float, 1.0 / keep))
+    with graph.inserting_after(scaled):
+        result = graph.call_function(_aten.mul.Tensor, (x, scaled))
+    result.meta["val"] = x.meta["val"]  # same shape and dtype as the input (read where it is a graph output)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(result if user.args[1] == 0 else mask)
+            graph.erase_node(user)
+    if node.users:
+        raise ValueError(f"native_dropout {node.name} is used other than through its two outputs")
+    graph.erase_node(node)
 
 
 def _bernoulli(graph: torch.fx.Graph, node: torch.fx.Node, sample: torch.fx.Node) -> torch.fx.Node:

@@ -1,0 +1,63 @@
+"""`ort_backend`: the ``torch.compile`` backend ``"ort_trainer"``: AOTAutograd graphs run in ONNX Runtime.
+
+Dynamo hands over an FX graph of torch calls. AOTAutograd (``torch._dynamo.backends.common.aot_autograd``)
+traces it below autograd with the autograd engine's decompositions (`training_decompositions`: without the
+core aten ones the exporter's ``nll_loss_backward`` drops the mean), functionalises it and splits the joint
+graph with ``default_partition``: the forward saves every activation the backward reads and the backward
+recomputes nothing. Each of the forward, backward and inference (no-grad) graphs is exported to ONNX and
+run in ONNX Runtime (`OrtGraph`); AOTAutograd's runtime wraps them in a ``torch.autograd.Function``, so
+gradients arrive in ``param.grad`` through torch's own autograd (hooks, DDP buckets and accumulation
+included).
+
+Registered with torch through the ``torch_dynamo_backends`` entry point (setup.py), so that
+``torch.compile(model, backend="ort_trainer")`` needs no import of ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import default_partition
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ort_trainer.graph.autograd import graph_cache_from_env, training_decompositions
+
+from ._graph import OrtGraph
+
+__all__ = ["ort_backend"]
+
+
+def _compiler(kind: str) -> Callable:
+    def compile_graph(module: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+        graph = OrtGraph(module, example_inputs, kind, graph_cache_from_env())
+        if kind != "backward":
+            return graph
+        # the backward runs outside Dynamo (it must not be traced), still called boxed: `aot_autograd` would wrap
+        # it in `torch._dynamo.disable`, which hides `_boxed_call` (and makes AOTAutograd warn about it)
+        disabled = torch._dynamo.disable(graph, reason="the ORT backward graph is not traced")
+
+        def backward(args: list) -> list:
+            return disabled(args)
+
+        backward._boxed_call = True
+        return backward
+
+    compile_graph.__name__ = f"ort_{kind}_compiler"
+    if kind == "backward":
+        compile_graph._is_wrapped_bw_compiler = True  # wrapped here (above), not again by `aot_autograd`
+    return compile_graph
+
+
+def ort_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs) -> Callable:
+    """The ``"ort_trainer"`` backend of ``torch.compile``: forward, backward and inference graphs in ORT."""
+    backend = aot_autograd(
+        fw_compiler=_compiler("forward"),
+        bw_compiler=_compiler("backward"),
+        inference_compiler=_compiler("inference"),
+        partition_fn=default_partition,
+        decompositions=training_decompositions(),
+    )
+    with sdpa_kernel(SDPBackend.MATH):  # the fused kernels' backward ops have no ONNX translation
+        return backend(gm, example_inputs, **kwargs)

@@ -1,0 +1,234 @@
+"""`OrtGraph`: one AOTAutograd graph (forward, backward or inference) exported to ONNX and run in ONNX Runtime.
+
+AOTAutograd hands each compiler an aten FX graph and calls the compiled result with a list of tensors
+("boxed"). This class exports that graph with the autograd engine's exporter path
+(`graph.autograd.graph_to_onnx`, the graphs already traced with `training_decompositions`), keeps the
+export in the on-disk graph cache (`graph.autograd.GraphCache`), and runs it in a stock
+``onnxruntime.InferenceSession`` over the caller's torch tensors:
+
+* inputs are bound zero-copy through DLPack; outputs are allocated by torch on the inputs' device with the
+  shapes and dtypes torch computed while tracing (FX ``meta["val"]``) and bound before the run, so ONNX
+  Runtime writes straight into the tensors handed back (no host round trip on CUDA);
+* what ONNX cannot return is returned around the session: ``None`` gradients (inputs that need none), inputs
+  returned as they are (AOTAutograd saves some inputs for the backward), non-tensor constants, and
+  duplicates of one value;
+* the forward's random draws (Dropout masks) are graph inputs filled from torch's own generator in the
+  graph's order (`graph.autograd.lift_random_ops` with ``dropout_masks``): the masks eager PyTorch draws on
+  CPU, and torch's RNG state after the step is eager's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ort_trainer.diagnosis import quiet_native_info_logs
+from ort_trainer.engine import DeviceSpec, resolve_device, to_ortvalue
+from ort_trainer.graph.autograd import GraphCache, TracedGraph, TraceError, graph_to_onnx, lift_random_ops
+
+__all__ = ["OrtGraph", "session_options"]
+
+_log = logging.getLogger("ort_trainer")
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where one of the FX graph's outputs comes from: "value" (ONNX output ``index``), "input" (graph input
+    ``index`` returned as it is), or "constant" (``value``, ``None`` included)."""
+
+    source: str
+    index: int = 0
+    value: object = None
+
+
+def session_options() -> ort.SessionOptions:
+    """ORT session options for a module's graphs: as many intra-op threads as torch uses (so that
+    ``torch.set_num_threads`` decides for both), no spinning pool threads (they take the cores torch's own
+    ops need between graphs), ORT's warnings about unused exporter constants off."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = max(1, torch.get_num_threads())
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+class OrtGraph:
+    """A compiled AOTAutograd graph: call it with the list of tensors AOTAutograd passes (boxed)."""
+
+    _boxed_call = True  # AOTAutograd passes the argument list itself (and may free it: we do not keep it)
+
+    def __init__(self, module: torch.fx.GraphModule, example_inputs: Sequence, kind: str, cache: GraphCache | None):
+        self.kind = kind
+        self.random = lift_random_ops(module, dropout_masks=True) if kind != "backward" else []
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        examples = [*example_inputs, *(_Spec(r.shape, torch.bool if r.kind == "keep" else r.dtype) for r in self.random)]
+        if len(examples) != len(placeholders):
+            raise TraceError(f"the {kind} graph has {len(placeholders)} inputs, AOTAutograd gave {len(examples)}")
+        self.device = _device_of(examples)
+        self.outputs, values = _plan_outputs(module, placeholders)
+        self._shapes = [(tuple(int(d) for d in v.meta["val"].shape), v.meta["val"].dtype) for v in values]
+        input_names = [f"input_{i}" for i in range(len(placeholders))]
+        output_names = [f"output_{i}" for i in range(len(values))]
+        with unset_fake_temporarily(), _rng_preserved(self.device):
+            sample = tuple(_real(e, self.device) for e in examples)
+            traced = TracedGraph(module, input_names, output_names, sample)
+            model = _exported(traced, cache, kind)
+        spec = resolve_device(_device_id(self.device))
+        self.session = _session(model, spec, kind)
+        self._spec = spec
+        used = {i.name for i in self.session.get_inputs()}
+        self._inputs = [(i, name) for i, name in enumerate(input_names) if name in used]
+        self._output_names = output_names
+        self._user_count = len(example_inputs)
+
+    def __call__(self, *given: Any) -> list:
+        """Boxed (one list, which is emptied: AOTAutograd's convention) or, where torch's ``disable`` wrapper
+        hides ``_boxed_call`` (the backward), the tensors as arguments."""
+        draws = [_draw(r, self.device) for r in self.random]
+        if len(given) == 1 and isinstance(given[0], list):
+            inputs = [*given[0], *draws]
+            given[0].clear()
+        else:
+            inputs = [*given, *draws]
+        io = self.session.io_binding()
+        kept = []
+        for index, name in self._inputs:
+            tensor = inputs[index].contiguous()
+            kept.append(tensor)
+            io.bind_ortvalue_input(name, to_ortvalue(tensor))
+        results = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self._shapes]
+        for name, tensor in zip(self._output_names, results, strict=True):
+            io.bind_ortvalue_output(name, to_ortvalue(tensor))
+        self.session.run_with_iobinding(io)
+        del kept
+        returned = []
+        for out in self.outputs:
+            if out.source == "value":
+                returned.append(results[out.index])
+            elif out.source == "input":
+                returned.append(inputs[out.index])
+            else:
+                returned.append(out.value)
+        return returned
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Shape and dtype of a lifted random input (AOTAutograd knows nothing of it)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device | None = None
+
+
+def _plan_outputs(module: torch.fx.GraphModule, placeholders: list) -> tuple[list[_Output], list]:
+    """Rewrite the graph to return each distinct computed tensor once; how to rebuild AOTAutograd's outputs."""
+    output_node = next(n for n in module.graph.nodes if n.op == "output")
+    given = output_node.args[0]
+    given = list(given) if isinstance(given, tuple | list) else [given]
+    positions = {node: i for i, node in enumerate(placeholders)}
+    plan, values, seen = [], [], {}
+    for value in given:
+        if isinstance(value, torch.fx.Node) and value in positions:
+            plan.append(_Output("input", positions[value]))
+        elif isinstance(value, torch.fx.Node):
+            example = value.meta.get("val")
+            if not isinstance(example, torch.Tensor):
+                raise TraceError(
+                    f"the graph returns {value.name} = {example!r}, not a tensor (a symbolic size?): ORTModule "
+                    "compiles static shapes only; call it with tensors of fixed shapes"
+                )
+            if value not in seen:
+                seen[value] = len(values)
+                values.append(value)
+            plan.append(_Output("value", seen[value]))
+        else:
+            plan.append(_Output("constant", value=value))
+    output_node.args = (tuple(values),)
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    return plan, values
+
+
+def _exported(traced: TracedGraph, cache: GraphCache | None, kind: str) -> onnx.ModelProto:
+    if cache is None:
+        return graph_to_onnx(traced)
+    key = cache.key(traced.fingerprint(), {"ortmodule": kind})
+    try:
+        building = cache.building(key)
+        building.__enter__()
+    except OSError as error:  # a read-only or full cache folder must not stop training
+        _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
+        return graph_to_onnx(traced)
+    try:
+        model = cache.get(key)
+        if model is not None:
+            _log.info("graph cache: ORTModule %s graph loaded from %s", kind, cache.directory)
+            return model
+        model = graph_to_onnx(traced)
+        try:
+            cache.put(key, model)
+        except OSError as error:
+            _log.warning("graph cache %s: could not store the graph (%s)", cache.directory, error)
+        return model
+    finally:
+        building.__exit__(None, None, None)
+
+
+def _session(model: onnx.ModelProto, spec: DeviceSpec, kind: str) -> ort.InferenceSession:
+    with quiet_native_info_logs():
+        try:
+            return ort.InferenceSession(model.SerializeToString(), session_options(), spec.providers)
+        except Exception as error:  # noqa: BLE001 - ONNX Runtime's load errors are one class (Fail/InvalidGraph)
+            raise TraceError(
+                f"ONNX Runtime {ort.__version__} cannot load the exported {kind} graph: "
+                f"{str(error).strip().splitlines()[0]}. This is a fault of the exporter's translation of an op "
+                "(the node's name says which); run this module in eager PyTorch or report the op"
+            ) from error
+
+
+def _draw(spec, device: torch.device) -> torch.Tensor:
+    """One random input, drawn from torch's default generator of ``device`` as eager PyTorch would."""
+    if spec.kind == "keep":  # eager CPU Dropout: empty_like(x).bernoulli_(1 - p)
+        return torch.empty(spec.shape, dtype=spec.dtype, device=device).bernoulli_(spec.probability).bool()
+    if spec.kind == "normal":
+        return torch.randn(spec.shape, dtype=spec.dtype, device=device)
+    return torch.rand(spec.shape, dtype=spec.dtype, device=device)
+
+
+def _real(example, device: torch.device) -> torch.Tensor:
+    """A real tensor shaped like a (fake) example input, for the exporter (it reads shapes and dtypes)."""
+    if isinstance(example, _Spec | torch.Tensor):
+        return torch.zeros(tuple(int(d) for d in example.shape), dtype=example.dtype, device=device)
+    raise TraceError(
+        f"ORTModule compiles graphs of tensors with static shapes; an input is {type(example).__name__} "
+        f"({example!r}): pass tensors (a Python number that changes between calls should be a tensor)"
+    )
+
+
+def _device_of(examples: Sequence) -> torch.device:
+    devices = {e.device for e in examples if isinstance(e, torch.Tensor)}
+    devices.discard(torch.device("meta"))
+    if len(devices) > 1:
+        raise TraceError(f"the graph's inputs are on several devices {sorted(map(str, devices))}: move them to one")
+    return next(iter(devices), torch.device("cpu"))
+
+
+def _device_id(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"
+
+
+@contextlib.contextmanager
+def _rng_preserved(device: torch.device) -> Iterator[None]:
+    """The export must not advance torch's generators: the first step's Dropout masks are drawn after it."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield

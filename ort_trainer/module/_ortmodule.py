@@ -1,0 +1,146 @@
+"""`ORTModule`: an ``nn.Module`` whose forward and backward run in ONNX Runtime, in the user's own training loop.
+
+``ORTModule(module)`` captures ``module``'s forward with Dynamo as **one** graph (``fullgraph=True``) and
+compiles it with the ``"ort_trainer"`` backend (`ort_backend`: AOTAutograd's forward/backward split, each
+graph exported to ONNX and run in ONNX Runtime). The parameters stay the user's: gradients arrive in their
+``param.grad`` through torch's autograd, so any ``torch.optim`` optimizer, LR scheduler, ``clip_grad_norm_``,
+gradient accumulation, ``zero_grad`` and ``DistributedDataParallel`` work unchanged.
+
+Dynamo's guards pick the graph: ``train()``/``eval()``, ``torch.no_grad()`` (forward-only inference graph)
+and each new input shape get their own graphs (shapes are static; exports are kept in the on-disk graph
+cache). What cannot be one graph (a graph break: Python control flow on tensor values, ``.item()``...) or
+cannot be exported raises `TraceError` at the first call naming the line or op and the way out; the module
+never runs in eager PyTorch behind the user's back (no ``suppress_errors``, no fall-back when Dynamo's
+recompile limit is hit). ``state_dict()`` / ``load_state_dict()`` use the wrapped module's own keys.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch._dynamo import exc as dynamo_exc
+
+from ort_trainer.graph.autograd import TraceError
+
+from ._backend import ort_backend
+
+__all__ = ["ORTModule"]
+
+_PREFIX = "module."
+_WAY_OUT = (
+    "Compute it with tensor ops (torch.where, masking) instead of Python control flow on tensor values, or use "
+    "torch.compile(module, backend='ort_trainer'), which runs the code around a graph break in eager PyTorch "
+    "and each captured piece in ONNX Runtime (docs/ortmodule.md)"
+)
+
+
+class ORTModule(torch.nn.Module):
+    """``module`` with its forward and backward in ONNX Runtime; otherwise the module itself.
+
+    ``max_graphs``: how many graphs (train/eval x grad/no-grad x input shapes) may be compiled before a
+    call raises instead of compiling another (pad inputs to a few sizes); exports are cached on disk.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, max_graphs: int = 64):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, ORTModule):
+            raise TypeError("the module is already an ORTModule; wrap the plain module once")
+        if int(max_graphs) < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        super().__init__()
+        self.module = module
+        self._max_graphs = int(max_graphs)
+        # not a submodule: the compiled wrapper holds `module` too, and must not add its keys to ours
+        object.__setattr__(self, "_compiled", torch.compile(module, backend=ort_backend, fullgraph=True, dynamic=False))
+        self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
+        self.register_load_state_dict_post_hook(_strip_incompatible)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward, run in ONNX Runtime (compiled on the first call of each signature)."""
+        config = {
+            "optimize_ddp": False,  # DDP(ORTModule(m)): one forward and one backward graph, not one per bucket
+            "suppress_errors": False,  # never eager behind the user's back
+            "fail_on_recompile_limit_hit": True,
+            "recompile_limit": self._max_graphs,
+        }
+        try:
+            with torch._dynamo.config.patch(**config):
+                return self._compiled(*args, **kwargs)
+        except TraceError:
+            raise
+        except dynamo_exc.BackendCompilerFailed as error:
+            inner = error.inner_exception
+            if isinstance(inner, TraceError):
+                raise TraceError(str(inner)) from inner
+            raise TraceError(
+                f"ORTModule could not compile {self._what()}: {type(inner).__name__}: {_first_line(inner)}{_at(inner)}"
+            ) from error
+        except (dynamo_exc.Unsupported, dynamo_exc.UserError) as error:
+            raise TraceError(
+                f"ORTModule could not capture {self._what()} as one graph{_at(error)}: {_first_line(error)}. "
+                f"{_WAY_OUT}"
+            ) from error
+        except dynamo_exc.FailOnRecompileLimitHit as error:
+            raise TraceError(
+                f"ORTModule compiled {self._max_graphs} graphs for {self._what()} (one per train/eval mode, grad mode "
+                "and input shape) and refuses to compile more: pad inputs to a few shapes, or raise "
+                "ORTModule(module, max_graphs=...)"
+            ) from error
+
+    # ---------------------------------------------------------------- the module's own state dict
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The wrapped module's ``state_dict``: the same keys (also under DDP, which calls this with a prefix)."""
+        if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3] if len(args) == 1 else (*args, keep_vars)[:3]
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """The wrapped module's ``load_state_dict``: its own keys, its own checks."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _what(self) -> str:
+        return f"{type(self.module).__name__}.forward"
+
+
+def _add_prefix(module: ORTModule, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+    """Loading through a parent (``DDP(ORTModule(m)).load_state_dict``): the keys are the module's own, under
+    ``prefix``; torch's recursion looks for them under ``prefix + "module."``."""
+    module._load_prefix = prefix
+    inner = prefix + _PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k.startswith(prefix) and not k.startswith(inner)]:
+            metadata[inner + key[len(prefix) :]] = metadata[key]
+        if prefix[:-1] in metadata or prefix == "":
+            metadata.setdefault(inner[:-1], metadata.get(prefix[:-1], {}))
+
+
+def _strip_incompatible(module: ORTModule, incompatible) -> None:
+    """Missing/unexpected keys reported as the module's own keys (without ``module.``)."""
+    prefix = getattr(module, "_load_prefix", "")
+    inner = prefix + _PREFIX
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _at(error: BaseException) -> str:
+    """`` at file:line (code)``: the innermost frame of the user's code in a Dynamo error, if any."""
+    stack = getattr(error, "real_stack", None)
+    frames = [f for f in (stack or []) if "/torch/" not in f.filename]
+    if frames:
+        frame = frames[-1]
+        return f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    found = re.findall(r'File "([^"]+)", line (\d+)', str(error))
+    found = [f for f in found if "/torch/" not in f[0]]
+    return f" at {found[-1][0]}:{found[-1][1]}" if found else ""
