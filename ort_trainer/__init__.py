@@ -24,13 +24,15 @@ if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
     from . import amp, checkpoint, optim
     from ._state import StateDictOptions
     from .config import ORTTrainerOptions
+    from .module import ORTModule
     from .train_step_info import TrainStepInfo
     from .trainer import ORTTrainer
 
-__all__ = ["ORTTrainer", "ORTTrainerOptions", "StateDictOptions", "TrainStepInfo", "amp", "checkpoint", "optim"]
+__all__ = ["ORTModule", "ORTTrainer", "ORTTrainerOptions", "StateDictOptions", "TrainStepInfo", "amp", "checkpoint", "optim"]
 __version__ = "0.1.0"
 
 _LAZY = {
+    "ORTModule": ".module",
     "ORTTrainer": ".trainer",
     "ORTTrainerOptions": ".config",
     "StateDictOptions": "._state",

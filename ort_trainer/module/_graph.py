@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +68,7 @@ class OrtGraph:
     _boxed_call = True  # AOTAutograd passes the argument list itself (and may free it: we do not keep it)
 
     def __init__(self, module: torch.fx.GraphModule, example_inputs: Sequence, kind: str, cache: GraphCache | None):
+        start = time.perf_counter()
         self.kind = kind
         self.random = lift_random_ops(module, dropout_masks=True) if kind != "backward" else []
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
@@ -87,7 +90,10 @@ class OrtGraph:
         used = {i.name for i in self.session.get_inputs()}
         self._inputs = [(i, name) for i, name in enumerate(input_names) if name in used]
         self._output_names = output_names
-        self._user_count = len(example_inputs)
+        _log.info(
+            "ORT %s graph: %d inputs, %d outputs, %d random draws, built in %.1f s",
+            kind, len(self._inputs), len(values), len(self.random), time.perf_counter() - start,
+        )  # fmt: skip
 
     def __call__(self, *given: Any) -> list:
         """Boxed (one list, which is emptied: AOTAutograd's convention) or, where torch's ``disable`` wrapper
@@ -158,22 +164,49 @@ def _plan_outputs(module: torch.fx.GraphModule, placeholders: list) -> tuple[lis
     return plan, values
 
 
+def _to_onnx(traced: TracedGraph, kind: str) -> onnx.ModelProto:
+    """`graph_to_onnx`, its error told in ORTModule's terms: the op, the user's line that calls it, the ways out."""
+    try:
+        return graph_to_onnx(traced)
+    except TraceError as error:
+        ops = re.findall(r"no ONNX translation for ([\w., ]+)\)", str(error))
+        names = [o.strip() for o in ops[0].split(",")] if ops else []
+        where = _lines_calling(traced.module, names)
+        what = f"no ONNX translation for {', '.join(names)}" if names else str(error).split(". An aten op")[0]
+        raise TraceError(
+            f"ORTModule could not export the {kind} graph ({what}){f', called at {where}' if where else ''}. "
+            "Give the op an ONNX translation with onnxscript, compute it with other ops, or move the call into a "
+            "function decorated with @torch.compiler.disable and use torch.compile(module, backend='ort_trainer') "
+            "(that call then runs in eager PyTorch, the rest in ONNX Runtime: docs/ortmodule.md)"
+        ) from error
+
+
+def _lines_calling(module: torch.fx.GraphModule, ops: list[str]) -> str:
+    """``file:line`` of the user's code behind the first node that calls one of ``ops`` (Dynamo's stack traces)."""
+    for node in module.graph.nodes:
+        if node.op == "call_function" and any(str(node.target).startswith(op + ".") for op in ops):
+            found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+            if found:
+                return f"{found[-1][0]}:{found[-1][1]}"
+    return ""
+
+
 def _exported(traced: TracedGraph, cache: GraphCache | None, kind: str) -> onnx.ModelProto:
     if cache is None:
-        return graph_to_onnx(traced)
+        return _to_onnx(traced, kind)
     key = cache.key(traced.fingerprint(), {"ortmodule": kind})
     try:
         building = cache.building(key)
         building.__enter__()
     except OSError as error:  # a read-only or full cache folder must not stop training
         _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
-        return graph_to_onnx(traced)
+        return _to_onnx(traced, kind)
     try:
         model = cache.get(key)
         if model is not None:
             _log.info("graph cache: ORTModule %s graph loaded from %s", kind, cache.directory)
             return model
-        model = graph_to_onnx(traced)
+        model = _to_onnx(traced, kind)
         try:
             cache.put(key, model)
         except OSError as error:
@@ -197,11 +230,20 @@ def _session(model: onnx.ModelProto, spec: DeviceSpec, kind: str) -> ort.Inferen
 
 def _draw(spec, device: torch.device) -> torch.Tensor:
     """One random input, drawn from torch's default generator of ``device`` as eager PyTorch would."""
-    if spec.kind == "keep":  # eager CPU Dropout: empty_like(x).bernoulli_(1 - p)
-        return torch.empty(spec.shape, dtype=spec.dtype, device=device).bernoulli_(spec.probability).bool()
+    if spec.kind == "keep":  # eager CPU Dropout: empty_like(x).bernoulli_(1 - p), in x's memory layout
+        mask = torch.empty_strided(spec.shape, spec.stride or _contiguous(spec.shape), dtype=spec.dtype, device=device)
+        return mask.bernoulli_(spec.probability).bool()
     if spec.kind == "normal":
         return torch.randn(spec.shape, dtype=spec.dtype, device=device)
     return torch.rand(spec.shape, dtype=spec.dtype, device=device)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _real(example, device: torch.device) -> torch.Tensor:

@@ -16,8 +16,10 @@ recompile limit is hit). ``state_dict()`` / ``load_state_dict()`` use the wrappe
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -66,9 +68,11 @@ class ORTModule(torch.nn.Module):
             "suppress_errors": False,  # never eager behind the user's back
             "fail_on_recompile_limit_hit": True,
             "recompile_limit": self._max_graphs,
+            # log calls in a forward (transformers' warning_once) are no graph break: dropped while tracing
+            "ignore_logging_functions": _logging_functions(),
         }
         try:
-            with torch._dynamo.config.patch(**config):
+            with torch._dynamo.config.patch(**config), _no_fast_path():
                 return self._compiled(*args, **kwargs)
         except TraceError:
             raise
@@ -104,6 +108,24 @@ class ORTModule(torch.nn.Module):
 
     def _what(self) -> str:
         return f"{type(self.module).__name__}.forward"
+
+
+@contextlib.contextmanager
+def _no_fast_path() -> Iterator[None]:
+    """``nn.TransformerEncoderLayer`` / ``MultiheadAttention`` without their inference fast path (a fused kernel,
+    ``_transformer_encoder_layer_fwd``, that has no ONNX translation): the same math as ordinary ops."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+def _logging_functions() -> set:
+    methods = ("debug", "info", "warning", "warn", "error", "warning_once", "info_once", "warning_advice")
+    found = {getattr(logging.Logger, m) for m in methods if hasattr(logging.Logger, m)}
+    return found | set(torch._dynamo.config.ignore_logging_functions)
 
 
 def _add_prefix(module: ORTModule, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:

@@ -10,7 +10,7 @@ the same shape that the session fills every step from a torch generator seeded w
 ``lift_random_ops(module, dropout_masks=True)`` (`ORTModule`'s graphs, from AOTAutograd) also lifts
 ``native_dropout``: its keep-mask becomes a bool input (kind ``"keep"``, with the keep probability) that
 the caller fills as eager PyTorch's CPU Dropout draws it (``empty_like(x).bernoulli_(1 - p)`` from torch's
-generator), so the masks, and torch's RNG stream after them, are eager's own.
+generator, with ``x``'s strides: the kernel fills memory in order), so the masks, and torch's RNG stream after them, are eager's own.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class RandomInput:
     dtype: torch.dtype
     kind: str
     probability: float = 0.0  # kind "keep": the probability that an element is kept (1 - Dropout's p)
+    stride: tuple[int, ...] | None = None  # kind "keep": the input's strides (eager fills its mask in memory order)
 
 
 def lift_random_ops(module: torch.fx.GraphModule, *, dropout_masks: bool = False) -> list[RandomInput]:
@@ -54,7 +55,8 @@ def lift_random_ops(module: torch.fx.GraphModule, *, dropout_masks: bool = False
         if dropout_masks and target == _aten.native_dropout.default and _is_training_dropout(node):
             value = node.args[0].meta["val"]
             keep = 1.0 - float(node.args[1])
-            spec = RandomInput(f"random.{len(lifted)}", tuple(int(d) for d in value.shape), value.dtype, "keep", keep)
+            shape, stride = tuple(int(d) for d in value.shape), tuple(int(s) for s in value.stride())
+            spec = RandomInput(f"random.{len(lifted)}", shape, value.dtype, "keep", keep, stride)
             with graph.inserting_after(last) if last is not None else graph.inserting_before(None):
                 mask = graph.placeholder(spec.name.replace(".", "_"))
             last = mask

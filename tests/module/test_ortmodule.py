@@ -1,0 +1,206 @@
+"""`ORTModule` in a plain PyTorch loop equals the same loop in eager PyTorch.
+
+Each test runs the wrapped module and a deep copy of it in eager PyTorch from the same weights, the same
+batches and the same seed of torch's generator, and compares losses, ``param.grad`` and weights (PyTorch is
+the reference). Dropout is on where the module has it: the masks are drawn from torch's generator as eager
+PyTorch draws them on CPU, so the two runs see the same masks.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from ort_trainer import ORTModule
+from ort_trainer.graph.autograd import TraceError
+from tests.hf_tiny import tiny_gpt2_config
+from tests.models import CNN, MLP, TinyLM, cnn_batches, lm_batches, lm_loss, mlp_batches
+
+
+def _assert_grads_equal(module: torch.nn.Module, reference: torch.nn.Module, atol: float = 1e-6) -> None:
+    for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _adamw_losses(module, batches, loss_fn, seed=0):
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for inputs, label in batches:
+        opt.zero_grad()
+        loss = loss_fn(module(inputs), label)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_transformer_with_dropout_trains_as_in_eager_over_five_adamw_steps():
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.1)
+    reference = copy.deepcopy(model)
+    batches = lm_batches(5)
+    losses = _adamw_losses(ORTModule(model), batches, lm_loss)
+    after = torch.rand(3)  # torch's generator is where eager leaves it: ORT drew the masks eager draws
+    expected = _adamw_losses(reference, batches, lm_loss)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    assert torch.equal(after, torch.rand(3))
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if name.endswith("in_proj_bias"):  # the key bias: softmax ignores it, its gradient is rounding noise
+            p, q = torch.cat([p[:16], p[32:]]), torch.cat([q[:16], q[32:]])  # that Adam scales up to +-lr
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_gradients_land_in_param_grad_for_accumulation_clipping_and_any_optimizer():
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model)
+    batches = mlp_batches(4)
+    runs = []
+    for module in (wrapped, reference):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        runs.append((module, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)))
+    for step in range(0, 4, 2):  # two micro-batches per update
+        for module, opt, _ in runs:
+            opt.zero_grad(set_to_none=True)
+            for x, label in batches[step : step + 2]:
+                (torch.nn.functional.cross_entropy(module(x), label) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm=0.5)
+        _assert_grads_equal(model, reference)
+        for _, opt, scheduler in runs:
+            opt.step()
+            scheduler.step()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_eval_no_grad_and_a_new_batch_size_get_their_own_graphs():
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.1)
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model)
+    tokens, _ = lm_batches(1)[0]
+    wrapped.eval()
+    reference.eval()
+    assert not model.training
+    torch.testing.assert_close(wrapped(tokens), reference(tokens), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        out = wrapped(tokens)
+    assert out.grad_fn is None and not out.requires_grad
+    torch.testing.assert_close(out, reference(tokens), atol=1e-5, rtol=1e-5)
+    wrapped.train()
+    reference.train()
+    longer, _ = lm_batches(1, batch=3, seq=5)[0]  # another batch and sequence size
+    torch.manual_seed(1)
+    got = wrapped(longer)
+    got.sum().backward()
+    torch.manual_seed(1)
+    expected = reference(longer)
+    expected.sum().backward()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    _assert_grads_equal(model, reference, atol=1e-5)
+
+
+def test_batchnorm_running_statistics_update_as_in_eager():
+    torch.manual_seed(0)
+    model = CNN()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model)
+    for x, label in cnn_batches(2):
+        torch.nn.functional.cross_entropy(wrapped(x), label).backward()
+        torch.nn.functional.cross_entropy(reference(x), label).backward()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-6, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+    _assert_grads_equal(model, reference)
+
+
+def test_state_dict_keys_are_the_modules_own_also_under_a_parent():
+    model = MLP()
+    wrapped = ORTModule(model)
+    assert list(wrapped.state_dict()) == list(model.state_dict())
+    fresh = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    wrapped.load_state_dict(fresh)
+    assert torch.equal(model.fc1.weight, torch.full_like(model.fc1.weight, 0.5))
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "fc2.bias"'):
+        wrapped.load_state_dict({k: v for k, v in fresh.items() if k != "fc2.bias"})
+    parent = torch.nn.ModuleDict({"net": ORTModule(MLP())})  # as DistributedDataParallel holds it
+    keys = list(parent.state_dict())
+    assert keys == [f"net.{k}" for k in model.state_dict()]
+    result = parent.load_state_dict({f"net.{k}": v for k, v in fresh.items() if k != "fc1.bias"}, strict=False)
+    assert result.missing_keys == ["net.fc1.bias"] and result.unexpected_keys == []
+    assert torch.equal(parent["net"].module.fc2.weight, fresh["fc2.weight"])
+
+
+def test_a_hugging_face_model_takes_labels_and_returns_its_model_output():
+    import transformers
+
+    torch.manual_seed(0)
+    config = tiny_gpt2_config(64)
+    config.n_layer = 1
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 64, (2, 8))
+    out = ORTModule(model)(input_ids=ids, labels=ids)
+    expected = reference(input_ids=ids, labels=ids)
+    assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithCrossAttentions)
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    expected.loss.backward()
+    _assert_grads_equal(model, reference, atol=1e-5)
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:  # Python control flow on a tensor value
+            return y * 2
+        return y
+
+
+class _Kth(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.kthvalue(self.fc(x), 2, dim=1).values  # no ONNX translation
+
+
+def test_what_cannot_run_in_onnx_runtime_raises_at_the_first_call_naming_the_line_and_the_way_out():
+    x = torch.randn(3, 4)
+    with pytest.raises(TraceError, match=r"_Branchy\.forward as one graph at .*test_ortmodule\.py:\d+ \(if y\.sum"):
+        ORTModule(_Branchy())(x)
+    with pytest.raises(TraceError, match=r"no ONNX translation for aten\.kthvalue\), called at .*test_ortmodule\.py"):
+        ORTModule(_Kth())(x)
+    with pytest.raises(TypeError, match="wraps a torch.nn.Module, got function"):
+        ORTModule(lambda v: v)
+
+
+class _Once(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(20, 4)
+
+    def forward(self, x):
+        return self.fc(x).tanh()
+
+
+def test_the_graphs_are_built_once_per_signature(caplog):
+    model = ORTModule(_Once())
+    x, label = mlp_batches(1)[0]
+    with caplog.at_level(logging.INFO, logger="ort_trainer"):
+        for _ in range(3):
+            torch.nn.functional.cross_entropy(model(x), label).backward()
+    built = [r.getMessage().split(":")[0] for r in caplog.records if r.getMessage().startswith("ORT ")]
+    assert built == ["ORT forward graph", "ORT backward graph"]
