@@ -127,5 +127,9 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
         python_requires=">=3.11",
         install_requires=INSTALL_REQUIRES,
         extras_require=EXTRAS_REQUIRE,
-        entry_points={"console_scripts": ["ort-trainer-ckpt=ort_trainer.checkpoint.__main__:main"]},
+        entry_points={
+            "console_scripts": ["ort-trainer-ckpt=ort_trainer.checkpoint.__main__:main"],
+            # torch.compile(model, backend="ort_trainer") finds the backend without an import (docs/ortmodule.md)
+            "torch_dynamo_backends": ["ort_trainer=ort_trainer.module:ort_backend"],
+        },
     )
