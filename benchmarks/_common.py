@@ -252,11 +252,22 @@ def torch_step(spec: ModelSpec, model: torch.nn.Module, adamw: str = "fused", co
     return step
 
 
-def compiled_step(spec: ModelSpec, model: torch.nn.Module, copy_model: bool = True) -> Step:
-    """``torch.compile(model)`` (inductor, default mode) for forward + backward; the fused AdamW stays eager."""
-    compiled = (copy.deepcopy(model) if copy_model else model).train()
-    opt = torch.optim.AdamW(compiled.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
-    forward = torch.compile(compiled)
+def compiled_step(spec: ModelSpec, model: torch.nn.Module, copy_model: bool = True, backend: str = "inductor") -> Step:
+    """``torch.compile(model, backend=...)`` (inductor, default mode) for forward + backward; the fused AdamW
+    stays eager. ``backend="ort_trainer"``: the graphs Dynamo captures run in ONNX Runtime."""
+    if backend == "ort_trainer":
+        from ort_trainer.module import ort_backend  # the entry point's target, whether or not it is installed
+
+        return wrapped_step(spec, model, lambda m: torch.compile(m, backend=ort_backend), copy_model)
+    return wrapped_step(spec, model, lambda m: torch.compile(m, backend=backend), copy_model)
+
+
+def wrapped_step(spec: ModelSpec, model: torch.nn.Module, wrap, copy_model: bool = True) -> Step:
+    """The eager loop (zero_grad, forward, loss, backward, fused AdamW) over ``wrap(model)`` (a compiled module,
+    `ORTModule`): only forward + backward change hands."""
+    model = (copy.deepcopy(model) if copy_model else model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    forward = wrap(model)
 
     def step(batch):
         *inputs, label = batch

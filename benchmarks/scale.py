@@ -19,7 +19,10 @@ defaults), ort_trainer_shrink (with ``utils.shrink_memory_arena``), ort_trainer_
 settings: the module keeps its own weights, the arena is kept), ort_onnxblock / ort_autograd (ORTTrainer
 with each engine by name; ort_autograd builds with an empty graph cache, ort_autograd_warm after it from
 the cache it filled, as a resumed job does), ort_api (the bare
-``onnxruntime.training.api`` loop on the same graph and rewrites). Threads:
+``onnxruntime.training.api`` loop on the same graph and rewrites), ortmodule (``ORTModule(model)`` in the
+eager loop: forward and backward graphs in ONNX Runtime, torch's fused AdamW) and compile_ort
+(``torch.compile(model, backend="ort_trainer")``, the same loop); their memory children start with an empty
+graph cache (a cold build). Threads:
 ``torch.set_num_threads(--threads)`` = ORT intra-op threads; without --threads, each library's default
 (ORTTrainer: one thread per core).
 
@@ -57,7 +60,15 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import BareOrt, compiled_step, host_stamp, ort_trainer_step, session_options, torch_step
+from benchmarks._common import (
+    BareOrt,
+    compiled_step,
+    host_stamp,
+    ort_trainer_step,
+    session_options,
+    torch_step,
+    wrapped_step,
+)
 from benchmarks._hf import SCALE_MODELS, scale_spec
 from benchmarks._isa import add_isa_argument, use_isa
 from ort_trainer.config import ORTTrainerOptions
@@ -76,6 +87,8 @@ CONTENDERS = (
     "ort_autograd",
     "ort_autograd_warm",
     "ort_api",
+    "ortmodule",
+    "compile_ort",
 )
 # ORTTrainer variants: its defaults, and each memory setting forced on / off
 ORT_TRAINER_UTILS = {
@@ -130,6 +143,12 @@ def build(name: str, args) -> tuple:
         step = torch_step(spec, model, copy_model=False)
     elif name == "compile":
         step = compiled_step(spec, model, copy_model=False)
+    elif name == "compile_ort":
+        step = compiled_step(spec, model, copy_model=False, backend="ort_trainer")
+    elif name == "ortmodule":
+        from ort_trainer import ORTModule
+
+        step = wrapped_step(spec, model, ORTModule, copy_model=False)
     elif name in ORT_TRAINER_UTILS:
         options = None
         if args.threads is not None or name.endswith("pattern"):
@@ -143,8 +162,8 @@ def build(name: str, args) -> tuple:
             spec, model, session_options(args.threads or torch.get_num_threads(), spinning=False), True, first
         )
         step = keep.step
-    if not name.startswith("ort"):
-        step(first)  # the ORT contenders ran their first step while building
+    if name not in ORT_TRAINER_UTILS and name != "ort_api":
+        step(first)  # the ORTTrainer contenders ran their first step while building
     seconds = time.perf_counter() - start
     del model
     gc.collect()
@@ -197,6 +216,8 @@ def child(args) -> None:
     """Build one contender alone, run --mem-steps steps; print its build time and RSS as JSON."""
     if args.child == "ort_autograd" and os.environ.get(_CACHE_ENV):
         shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)  # a cold build: nothing cached
+    if args.child in ("ortmodule", "compile_ort"):  # a cold build in a folder of its own (ort_autograd_warm's stays)
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="scale_graph_cache_")
     step, keep, seconds = build(args.child, args)
     batches = scale_spec(args.model, args.batch).batches(2)
     times = []

@@ -15,6 +15,7 @@ Registered with torch through the ``torch_dynamo_backends`` entry point (setup.p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,6 +28,14 @@ from ort_trainer.graph.autograd import graph_cache_from_env, training_decomposit
 from ._graph import OrtGraph
 
 __all__ = ["ort_backend"]
+
+_log = logging.getLogger("ort_trainer")
+
+
+def _is_symbolic(value: object) -> bool:
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
 
 
 def _compiler(kind: str) -> Callable:
@@ -51,7 +60,23 @@ def _compiler(kind: str) -> Callable:
 
 
 def ort_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs) -> Callable:
-    """The ``"ort_trainer"`` backend of ``torch.compile``: forward, backward and inference graphs in ORT."""
+    """The ``"ort_trainer"`` backend of ``torch.compile``: forward, backward and inference graphs in ORT.
+
+    Graphs are compiled for static shapes. A graph Dynamo made dynamic (a size that changed between calls,
+    with ``dynamic=None``, the default) runs in eager PyTorch, with a warning that names the way to keep it
+    in ONNX Runtime: ``torch.compile(..., dynamic=False)`` (one graph per shape; `ORTModule` does that).
+    """
+    placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    symbolic = [i for i, x in enumerate(example_inputs) if _is_symbolic(x)]
+    symbolic = symbolic or [i for i, x in enumerate(placeholders) if _is_symbolic(x)]
+    if symbolic:
+        _log.warning(
+            "ort_trainer backend: a graph with symbolic sizes (inputs %s) runs in eager PyTorch: ORT graphs are "
+            "compiled for static shapes; pass dynamic=False to torch.compile (one graph per shape) to keep it in "
+            "ONNX Runtime",
+            symbolic,
+        )
+        return gm.forward
     backend = aot_autograd(
         fw_compiler=_compiler("forward"),
         bw_compiler=_compiler("backward"),

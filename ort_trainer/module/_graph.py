@@ -30,6 +30,7 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 import torch
+from onnx import numpy_helper
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ort_trainer.diagnosis import quiet_native_info_logs
@@ -80,14 +81,17 @@ class OrtGraph:
         self._shapes = [(tuple(int(d) for d in v.meta["val"].shape), v.meta["val"].dtype) for v in values]
         input_names = [f"input_{i}" for i in range(len(placeholders))]
         output_names = [f"output_{i}" for i in range(len(values))]
-        with unset_fake_temporarily(), _rng_preserved(self.device):
-            sample = tuple(_real(e, self.device) for e in examples)
-            traced = TracedGraph(module, input_names, output_names, sample)
-            model = _exported(traced, cache, kind)
+        self._constants: list[torch.Tensor] | None = [] if not values else None  # nothing computed: no graph
+        if values:
+            with unset_fake_temporarily(), _rng_preserved(self.device):
+                sample = tuple(_real(e, self.device) for e in examples)
+                traced = TracedGraph(module, input_names, output_names, sample)
+                model = _exported(traced, cache, kind)
+            # a graph the exporter folded to constants (a backward whose gradients are all zeros): nothing to run
+            self._constants = _folded_outputs(model, self.device)
         spec = resolve_device(_device_id(self.device))
-        self.session = _session(model, spec, kind)
-        self._spec = spec
-        used = {i.name for i in self.session.get_inputs()}
+        self.session = _session(model, spec, kind) if self._constants is None else None
+        used = {i.name for i in self.session.get_inputs()} if self.session is not None else set()
         self._inputs = [(i, name) for i, name in enumerate(input_names) if name in used]
         self._output_names = output_names
         _log.info(
@@ -104,6 +108,9 @@ class OrtGraph:
             given[0].clear()
         else:
             inputs = [*given, *draws]
+        if self._constants is not None:
+            results = [value.clone() for value in self._constants]
+            return [self._rebuild(out, results, inputs) for out in self.outputs]
         io = self.session.io_binding()
         kept = []
         for index, name in self._inputs:
@@ -115,15 +122,15 @@ class OrtGraph:
             io.bind_ortvalue_output(name, to_ortvalue(tensor))
         self.session.run_with_iobinding(io)
         del kept
-        returned = []
-        for out in self.outputs:
-            if out.source == "value":
-                returned.append(results[out.index])
-            elif out.source == "input":
-                returned.append(inputs[out.index])
-            else:
-                returned.append(out.value)
-        return returned
+        return [self._rebuild(out, results, inputs) for out in self.outputs]
+
+    @staticmethod
+    def _rebuild(out: _Output, results: list, inputs: list) -> object:
+        if out.source == "value":
+            return results[out.index]
+        if out.source == "input":
+            return inputs[out.index]
+        return out.value
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,17 @@ def _exported(traced: TracedGraph, cache: GraphCache | None, kind: str) -> onnx.
         return model
     finally:
         building.__exit__(None, None, None)
+
+
+def _folded_outputs(model: onnx.ModelProto, device: torch.device) -> list[torch.Tensor] | None:
+    """The outputs of a graph without nodes (every output an initializer), else None."""
+    if model.graph.node:
+        return None
+    values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    missing = [o.name for o in model.graph.output if o.name not in values]
+    if missing:
+        raise TraceError(f"the exported graph has no nodes and no values for its outputs {missing}")
+    return [torch.from_numpy(values[o.name].copy()).to(device) for o in model.graph.output]
 
 
 def _session(model: onnx.ModelProto, spec: DeviceSpec, kind: str) -> ort.InferenceSession:
