@@ -1,12 +1,13 @@
 """One rank of tests/module/test_ortmodule_ddp.py: ``DistributedDataParallel(ORTModule(MLP()))`` over gloo.
 
-Each rank trains on its slice of every global batch of 8 with torch's AdamW, clipping, and, on the last
-step, two micro-batches of which the first runs under ``no_sync()``. Rank 0 writes the global mean losses
+Each rank trains on its slice of every global batch of 8 with torch's AdamW and clipping; the last step
+accumulates two global batches, the first under ``no_sync()`` (micro-batches of the same size: no new graphs). Rank 0 writes the global mean losses
 and the final weights (JSON) to the path given; the process group is torn down at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -29,21 +30,19 @@ def main(out: str) -> None:
         ddp = DistributedDataParallel(ORTModule(model))
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01)
         per_rank = BATCH // world
+        batches = mlp_batches(STEPS + 1, batch=BATCH)
         losses = []
-        for step, (x, label) in enumerate(mlp_batches(STEPS, batch=BATCH)):
-            x, label = x[rank * per_rank : (rank + 1) * per_rank], label[rank * per_rank : (rank + 1) * per_rank]
+        for step in range(STEPS):
+            micro = batches[step : step + 2] if step == STEPS - 1 else batches[step : step + 1]
             opt.zero_grad()
-            if step == STEPS - 1:  # gradient accumulation: the first micro-batch without the all-reduce
-                half = per_rank // 2
-                with ddp.no_sync():
-                    first = torch.nn.functional.cross_entropy(ddp(x[:half]), label[:half]) / 2
-                    first.backward()
-                second = torch.nn.functional.cross_entropy(ddp(x[half:]), label[half:]) / 2
-                second.backward()
-                loss = (first + second).detach()
-            else:
-                loss = torch.nn.functional.cross_entropy(ddp(x), label)
-                loss.backward()
+            loss = torch.zeros(())
+            for i, (x, label) in enumerate(micro):
+                x, label = x[rank * per_rank : (rank + 1) * per_rank], label[rank * per_rank : (rank + 1) * per_rank]
+                # accumulation: every micro-batch but the last without the all-reduce
+                with ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                    part = torch.nn.functional.cross_entropy(ddp(x), label) / len(micro)
+                    part.backward()
+                loss += part.detach()
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=0.5)
             opt.step()
             dist.all_reduce(loss)

@@ -1,7 +1,7 @@
 """``DistributedDataParallel(ORTModule(model))`` over gloo ranks equals one eager process on the whole batch.
 
 The ranks (tests/ortmodule_ddp_worker.py) train with torch's AdamW, ``clip_grad_norm_`` and, on the last
-step, gradient accumulation with ``no_sync()``; DDP's gradient hooks fire as ORTModule's backward hands
+step, gradient accumulation over two batches with ``no_sync()`` (the reference: one step on both at once); DDP's gradient hooks fire as ORTModule's backward hands
 the gradients to torch's autograd, and its buckets are all-reduced as for any module. The reference here
 is one eager process on the whole batch (per-rank means averaged = the batch mean).
 """
@@ -24,7 +24,9 @@ def _eager_whole_batch() -> tuple[list[float], dict[str, torch.Tensor]]:
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses = []
-    for x, label in mlp_batches(STEPS, batch=BATCH):
+    batches = mlp_batches(STEPS + 1, batch=BATCH)
+    for step in range(STEPS):
+        x, label = batches[step] if step < STEPS - 1 else [torch.cat(t) for t in zip(*batches[step:], strict=True)]
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), label)
         loss.backward()

@@ -220,3 +220,16 @@ def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
     assert _number(r"last_loss=([\d.]+)", summary) < _number(r"first_loss=([\d.]+)", summary) - 0.8, summary
     text = _generated(stdout)
     assert text.startswith("This License ") and len(text) == len("This License ") + 100, stdout
+
+
+@pytest.mark.processes
+@pytest.mark.hf_long  # ~40 s of CPU (the module's graphs are exported on the first steps): run by `make test-hf`
+def test_custom_loop_sample_trains_its_own_loop_over_ortmodule(tmp_path):
+    command = [sys.executable, str(ROOT / "samples" / "custom_loop.py"), "--steps", "12", "--eval-every", "6"]
+    result = subprocess.run(
+        [*command, "--out", str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, f"exit code {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    first, last = _number(r"first_eval=([\d.]+)", result.stdout), _number(r"last_eval=([\d.]+)", result.stdout)
+    assert last < first - 0.5, result.stdout  # AdamW + cosine + clipping over ORTModule learns
+    assert "step   12  train loss" in result.stdout
