@@ -28,7 +28,16 @@ if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
     from .train_step_info import TrainStepInfo
     from .trainer import ORTTrainer
 
-__all__ = ["ORTModule", "ORTTrainer", "ORTTrainerOptions", "StateDictOptions", "TrainStepInfo", "amp", "checkpoint", "optim"]
+__all__ = [
+    "ORTModule",
+    "ORTTrainer",
+    "ORTTrainerOptions",
+    "StateDictOptions",
+    "TrainStepInfo",
+    "amp",
+    "checkpoint",
+    "optim",
+]
 __version__ = "0.1.0"
 
 _LAZY = {

@@ -1,8 +1,9 @@
 """One rank of tests/module/test_ortmodule_ddp.py: ``DistributedDataParallel(ORTModule(MLP()))`` over gloo.
 
 Each rank trains on its slice of every global batch of 8 with torch's AdamW and clipping; the last step
-accumulates two global batches, the first under ``no_sync()`` (micro-batches of the same size: no new graphs). Rank 0 writes the global mean losses
-and the final weights (JSON) to the path given; the process group is torn down at the end.
+accumulates two global batches, the first under ``no_sync()`` (micro-batches of the same size: no new
+graphs). Rank 0 writes the global mean losses and the final weights (JSON) to the path given; the process
+group is torn down at the end.
 """
 
 from __future__ import annotations

@@ -73,7 +73,10 @@ class OrtGraph:
         self.kind = kind
         self.random = lift_random_ops(module, dropout_masks=True) if kind != "backward" else []
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-        examples = [*example_inputs, *(_Spec(r.shape, torch.bool if r.kind == "keep" else r.dtype) for r in self.random)]
+        examples = [
+            *example_inputs,
+            *(_Spec(r.shape, torch.bool if r.kind == "keep" else r.dtype) for r in self.random),
+        ]
         if len(examples) != len(placeholders):
             raise TraceError(f"the {kind} graph has {len(placeholders)} inputs, AOTAutograd gave {len(examples)}")
         self.device = _device_of(examples)

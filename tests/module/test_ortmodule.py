@@ -116,7 +116,9 @@ def test_batchnorm_running_statistics_update_as_in_eager():
         torch.nn.functional.cross_entropy(wrapped(x), label).backward()
         torch.nn.functional.cross_entropy(reference(x), label).backward()
     for key, value in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-6, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            model.state_dict()[key], value, atol=1e-6, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
+        )
     _assert_grads_equal(model, reference)
 
 

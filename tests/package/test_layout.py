@@ -181,12 +181,38 @@ def test_trainer_package_shows_its_parts_and_imports_go_one_way():
     assert flat == {"__init__.py", "__main__.py", "trainer.py", "train_step_info.py"}, flat  # __main__: -m
     assert (folder / "graph" / "rewrites" / "__init__.py").exists()
     above = {
-        "ort_trainer.graph": ("ort_trainer.engine", "ort_trainer._state", "ort_trainer.trainer"),
+        "ort_trainer.graph": ("ort_trainer.engine", "ort_trainer._state", "ort_trainer.trainer", "ort_trainer.module"),
         # the engine names no room above it: model parallel plugs in through engine.ModelParallel
-        "ort_trainer.engine": ("ort_trainer._state", "ort_trainer.trainer", "ort_trainer.parallel", "ort_trainer.hf"),
+        "ort_trainer.engine": (
+            "ort_trainer._state",
+            "ort_trainer.trainer",
+            "ort_trainer.parallel",
+            "ort_trainer.hf",
+            "ort_trainer.module",
+        ),
+        # ORTModule and the compile backend sit beside the trainer, on graph/ and engine/, never the trainer's state
+        "ort_trainer.module": ("ort_trainer._state", "ort_trainer.trainer", "ort_trainer.parallel", "ort_trainer.hf"),
     }
     for name, edges in _import_graph(type_checking=True).items():
         for room, forbidden in above.items():
             if name.startswith(room):
                 wrong = sorted(e for e in edges if e.startswith(forbidden))
                 assert not wrong, f"{name} imports {wrong}"
+
+
+def test_the_module_room_uses_only_the_public_names_of_graph_and_engine():
+    """ort_trainer.module (ORTModule, the compile backend) reuses the autograd engine's pieces through their
+    packages' ``__all__``: no underscored module or name of another room."""
+    crossings = []
+    for name, path in _modules().items():
+        if not name.startswith("ort_trainer.module"):
+            continue
+        for node in _imports(ast.parse(path.read_text()), type_checking=True):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("ort_trainer."):
+                private = [p for p in node.module.split(".") if p.startswith("_")]
+                private += [a.name for a in node.names if a.name.startswith("_")]
+                if private:
+                    crossings.append(f"{path.relative_to(REPO)}:{node.lineno} imports {node.module} {private}")
+    assert not crossings, "\n".join(crossings)
+    nobody = [n for n, edges in _import_graph(type_checking=True).items() if "ort_trainer.module" in edges]
+    assert nobody == ["ort_trainer"], nobody  # only the package's lazy `ORTModule` name reaches it

@@ -10,7 +10,8 @@ the same shape that the session fills every step from a torch generator seeded w
 ``lift_random_ops(module, dropout_masks=True)`` (`ORTModule`'s graphs, from AOTAutograd) also lifts
 ``native_dropout``: its keep-mask becomes a bool input (kind ``"keep"``, with the keep probability) that
 the caller fills as eager PyTorch's CPU Dropout draws it (``empty_like(x).bernoulli_(1 - p)`` from torch's
-generator, with ``x``'s strides: the kernel fills memory in order), so the masks, and torch's RNG stream after them, are eager's own.
+generator, with ``x``'s strides: the kernel fills memory in order), so the masks, and torch's RNG stream
+after them, are eager's own.
 """
 
 from __future__ import annotations
