@@ -3,7 +3,8 @@
 The ranks (tests/ortmodule_ddp_worker.py) train with torch's AdamW, ``clip_grad_norm_`` and, on the last
 step, gradient accumulation over two batches with ``no_sync()`` (the reference: one step on both at once);
 DDP's gradient hooks fire as ORTModule's backward hands the gradients to torch's autograd, and its buckets
-are all-reduced as for any module. The reference here is one eager process on the whole batch (per-rank means averaged = the batch mean).
+are all-reduced as for any module. The reference here is one eager process on the whole batch (per-rank
+means averaged = the batch mean).
 """
 
 from __future__ import annotations
