@@ -8,7 +8,8 @@ export in the on-disk graph cache (`graph.autograd.GraphCache`), and runs it in 
 
 * inputs are bound zero-copy through DLPack; outputs are allocated by torch on the inputs' device with the
   shapes and dtypes torch computed while tracing (FX ``meta["val"]``) and bound before the run, so ONNX
-  Runtime writes straight into the tensors handed back (no host round trip on CUDA);
+  Runtime writes straight into the tensors handed back (no host round trip on CUDA, where the session runs
+  on torch's current stream of the build: written for CUDA, tested on CPU only);
 * what ONNX cannot return is returned around the session: ``None`` gradients (inputs that need none), inputs
   returned as they are (AOTAutograd saves some inputs for the backward), non-tensor constants, and
   duplicates of one value;
@@ -92,7 +93,7 @@ class OrtGraph:
                 model = _exported(traced, cache, kind)
             # a graph the exporter folded to constants (a backward whose gradients are all zeros): nothing to run
             self._constants = _folded_outputs(model, self.device)
-        spec = resolve_device(_device_id(self.device))
+        spec = resolve_device(_device_id(self.device), _provider_options(self.device))
         self.session = _session(model, spec, kind) if self._constants is None else None
         used = {i.name for i in self.session.get_inputs()} if self.session is not None else set()
         self._inputs = [(i, name) for i, name in enumerate(input_names) if name in used]
@@ -283,6 +284,15 @@ def _device_of(examples: Sequence) -> torch.device:
     if len(devices) > 1:
         raise TraceError(f"the graph's inputs are on several devices {sorted(map(str, devices))}: move them to one")
     return next(iter(devices), torch.device("cpu"))
+
+
+def _provider_options(device: torch.device) -> dict:
+    """On CUDA, ONNX Runtime runs on torch's current stream: the kernels that wrote the inputs and the ones
+    that read the outputs are ordered with the graph's on one stream, without a host synchronisation."""
+    if device.type != "cuda":
+        return {}
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return {"CUDAExecutionProvider": {"has_user_compute_stream": "1", "user_compute_stream": str(stream)}}
 
 
 def _device_id(device: torch.device) -> str:

@@ -139,6 +139,7 @@ def test_state_dict_keys_are_the_modules_own_also_under_a_parent():
     assert torch.equal(parent["net"].module.fc2.weight, fresh["fc2.weight"])
 
 
+@pytest.mark.zoo  # a Hugging Face model (~8 s): run by `make test-zoo` beside the zoo's ORTModule rows
 def test_a_hugging_face_model_takes_labels_and_returns_its_model_output():
     import transformers
 
