@@ -93,11 +93,14 @@ class OrtGraph:
                 model = _exported(traced, cache, kind)
             # a graph the exporter folded to constants (a backward whose gradients are all zeros): nothing to run
             self._constants = _folded_outputs(model, self.device)
-        spec = resolve_device(_device_id(self.device), _provider_options(self.device))
+        spec = resolve_device(_device_id(self.device))  # on CUDA: ORT runs on torch's current stream
         self.session = _session(model, spec, kind) if self._constants is None else None
         used = {i.name for i in self.session.get_inputs()} if self.session is not None else set()
         self._inputs = [(i, name) for i, name in enumerate(input_names) if name in used]
         self._output_names = output_names
+        self._run_options = ort.RunOptions()
+        if self.device.type == "cuda":  # one stream with torch's kernels (`resolve_device`): no host wait per run
+            self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         _log.info(
             "ORT %s graph: %d inputs, %d outputs, %d random draws, built in %.1f s",
             kind, len(self._inputs), len(values), len(self.random), time.perf_counter() - start,
@@ -124,7 +127,7 @@ class OrtGraph:
         results = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self._shapes]
         for name, tensor in zip(self._output_names, results, strict=True):
             io.bind_ortvalue_output(name, to_ortvalue(tensor))
-        self.session.run_with_iobinding(io)
+        self.session.run_with_iobinding(io, self._run_options)
         del kept
         return [self._rebuild(out, results, inputs) for out in self.outputs]
 
@@ -284,15 +287,6 @@ def _device_of(examples: Sequence) -> torch.device:
     if len(devices) > 1:
         raise TraceError(f"the graph's inputs are on several devices {sorted(map(str, devices))}: move them to one")
     return next(iter(devices), torch.device("cpu"))
-
-
-def _provider_options(device: torch.device) -> dict:
-    """On CUDA, ONNX Runtime runs on torch's current stream: the kernels that wrote the inputs and the ones
-    that read the outputs are ordered with the graph's on one stream, without a host synchronisation."""
-    if device.type != "cuda":
-        return {}
-    stream = torch.cuda.current_stream(device).cuda_stream
-    return {"CUDAExecutionProvider": {"has_user_compute_stream": "1", "user_compute_stream": str(stream)}}
 
 
 def _device_id(device: torch.device) -> str:
