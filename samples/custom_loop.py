@@ -2,16 +2,23 @@
 
     python samples/custom_loop.py                       # about a minute on 2 CPU cores
     python samples/custom_loop.py --steps 20 --out /tmp/loop   # a quick smoke run (what the tests do)
+    python samples/custom_loop.py --kill-after 130      # killed with SIGKILL after step 130; run it again: it resumes
 
 The loop is plain PyTorch: torch's AdamW, a warmup + cosine LR schedule (LambdaLR), gradient clipping
 (clip_grad_norm_), train/eval switches and torch.no_grad() for the held-out loss. The one change is
 `ORTModule(model)`: its forward and backward graphs run in ONNX Runtime, and the gradients land in the
 model's own `param.grad`, where the optimizer and the clipping read them. At the end the trained weights
 are the plain module's (ORTModule trains the module itself): it generates text in eager PyTorch.
+
+Checkpoints: a CheckpointManager saves the loop's objects (the module, AdamW, the schedule, torch's generators and
+the batch sampler's generator) every --checkpoint-every steps, asynchronously, into OUT/checkpoints; a run started
+again restores the newest complete checkpoint and continues bit for bit as the run that never stopped.
 """
 
 import argparse
 import math
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -19,6 +26,8 @@ import torch
 from model import CharTransformer, generate, get_batch, lm_loss, load_corpus
 
 from ort_trainer import ORTModule
+from ort_trainer.checkpoint import CheckpointManager
+from ort_trainer.checkpoint.objects import RNGState
 
 # -----------------------------------------------------------------------------
 # settings (those of samples/train_lm.py)
@@ -39,6 +48,7 @@ WEIGHT_DECAY = 0.01
 BETA2 = 0.99
 CLIP = 1.0  # clip_grad_norm_ on the model's own gradients
 EVAL_EVERY = 50
+CHECKPOINT_EVERY = 50
 EVAL_BATCHES = 4
 GENERATE_CHARS = 200
 PROMPT = "This License "
@@ -46,6 +56,8 @@ PROMPT = "This License "
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
 parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help=f"steps between evals (default {EVAL_EVERY})")
+parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, help="steps between checkpoints")
+parser.add_argument("--kill-after", type=int, default=None, help="SIGKILL this process after that step (a crash)")
 parser.add_argument("--out", default=OUT_DIR, help=f"output folder (default {OUT_DIR}/)")
 args = parser.parse_args()
 out = Path(args.out)
@@ -82,15 +94,34 @@ def evaluate():
     return loss
 
 
-# -----------------------------------------------------------------------------
-# CHECKPOINTS: the CheckpointManager part of this sample (save every N steps, kill and resume bit-exactly,
-# with CheckpointManager.save({"model": ort_model, "optimizer": optimizer, "scheduler": scheduler, ...}, step))
-# comes with issue R point 4 (CheckpointManager taking a dict of Stateful objects); it goes here and in the loop
-# below, marked "CHECKPOINT".
-# -----------------------------------------------------------------------------
-start_step = 0
+class BatchSampler:
+    """The training batches' generator as a Stateful object: a resumed run draws the batches it would have drawn."""
 
-first_eval = evaluate()
+    def __init__(self, generator):
+        self.generator = generator
+
+    def state_dict(self):
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["state"])
+
+
+# the loop's state: ORTModule's state_dict is the module's own; RNGState holds torch's generators (Dropout masks)
+state = {
+    "model": ort_model,
+    "optimizer": optimizer,
+    "scheduler": scheduler,
+    "rng": RNGState(),
+    "batches": BatchSampler(g),
+}
+manager = CheckpointManager(out / "checkpoints", keep_last=2, async_save=True)
+restored = manager.restore(state)  # None on a fresh start
+start_step = restored.step if restored else 0
+if restored:
+    print(f"resumed from {restored.path} (step {start_step})", flush=True)
+
+first_eval = eval_loss = evaluate()
 print(f"step {start_step:4d}  eval loss {first_eval:.3f}", flush=True)
 start = time.perf_counter()
 for step in range(start_step, args.steps):
@@ -108,7 +139,11 @@ for step in range(start_step, args.steps):
             f"lr {scheduler.get_last_lr()[0]:.2e}",
             flush=True,
         )
-    # CHECKPOINT: the manager's save goes here (issue R point 4)
+    if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+        manager.save(state, step + 1, metrics={"loss": loss.item()})  # asynchronous: the loop goes on
+    if args.kill_after is not None and step + 1 == args.kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)  # a crash, wherever the background save is
+manager.wait()
 seconds = time.perf_counter() - start
 
 model.eval()  # the trained module is the user's own: eager PyTorch generates with it
@@ -116,4 +151,8 @@ prompt = [chars.index(c) for c in PROMPT]
 ids = generate(model, prompt, GENERATE_CHARS, CONTEXT, generator=torch.Generator().manual_seed(0))
 text = "".join(chars[i] for i in ids)
 print(text)
-print(f"summary: steps={args.steps} first_eval={first_eval:.4f} last_eval={eval_loss:.4f} seconds={seconds:.1f}")
+weights = sum(p.detach().double().sum().item() for p in model.parameters())  # equal runs give equal bits
+print(
+    f"summary: steps={args.steps} first_eval={first_eval:.4f} last_eval={eval_loss:.4f} weights={weights!r} "
+    f"seconds={seconds:.1f}"
+)

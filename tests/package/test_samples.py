@@ -223,13 +223,26 @@ def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.hf_long  # ~40 s of CPU (the module's graphs are exported on the first steps): run by `make test-hf`
-def test_custom_loop_sample_trains_its_own_loop_over_ortmodule(tmp_path):
+@pytest.mark.hf_long  # three runs of ~40 s of CPU each (the graphs come from the graph cache after the first)
+def test_custom_loop_sample_learns_and_resumes_a_killed_run_bit_for_bit(tmp_path):
+    """samples/custom_loop.py: a loop over ORTModule, killed with SIGKILL after step 10 (checkpoints every 4
+    steps, asynchronous) and run again, ends with the weights of a run that was never interrupted."""
     command = [sys.executable, str(ROOT / "samples" / "custom_loop.py"), "--steps", "12", "--eval-every", "6"]
-    result = subprocess.run(
-        [*command, "--out", str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, f"exit code {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    first, last = _number(r"first_eval=([\d.]+)", result.stdout), _number(r"last_eval=([\d.]+)", result.stdout)
-    assert last < first - 0.5, result.stdout  # AdamW + cosine + clipping over ORTModule learns
-    assert "step   12  train loss" in result.stdout
+    command += ["--checkpoint-every", "4"]
+
+    def run(out, *extra):
+        return subprocess.run(
+            [*command, "--out", str(out), *extra], cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
+
+    whole = run(tmp_path / "whole")
+    assert whole.returncode == 0, f"stdout:\n{whole.stdout}\nstderr:\n{whole.stderr}"
+    first, last = _number(r"first_eval=([\d.]+)", whole.stdout), _number(r"last_eval=([\d.]+)", whole.stdout)
+    assert last < first - 0.5, whole.stdout  # AdamW + cosine + clipping over ORTModule learns
+    killed = run(tmp_path / "killed", "--kill-after", "10")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run(tmp_path / "killed")
+    assert resumed.returncode == 0, f"stdout:\n{resumed.stdout}\nstderr:\n{resumed.stderr}"
+    assert re.search(r"resumed from .* \(step [48]\)", resumed.stdout), resumed.stdout  # 8, unless its save was cut
+    weights = re.search(r"weights=(\S+)", whole.stdout).group(1)
+    assert f"weights={weights} " in resumed.stdout, (whole.stdout, resumed.stdout)
