@@ -98,9 +98,7 @@ class ORTModule(torch.nn.Module):
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The wrapped module's ``state_dict``: the same keys (also under DDP, which calls this with a prefix)."""
         if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (
-                (*args, prefix, keep_vars)[:3] if len(args) == 1 else (*args, keep_vars)[:3]
-            )
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
