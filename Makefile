@@ -44,7 +44,8 @@ test-faults: $(STAMP)
 test-zoo: $(STAMP)
 	$(PY) -m pytest -q -m "zoo and $(STOCK)" tests
 
-# ort_trainer.hf.Trainer against transformers.Trainer: 2 ranks, the sample, more LR schedules (a few minutes)
+# ort_trainer.hf.Trainer against transformers.Trainer: 2 ranks, the sample, more LR schedules; ORTModule on 4 ranks
+# and samples/custom_loop.py killed and resumed (a few minutes)
 test-hf: $(STAMP)
 	$(PY) -m pytest -q -m "hf_long and $(STOCK)" tests
 
