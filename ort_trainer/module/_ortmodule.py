@@ -17,6 +17,7 @@ recompile limit is hit). ``state_dict()`` / ``load_state_dict()`` use the wrappe
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Iterator, Mapping
@@ -69,7 +70,7 @@ class ORTModule(torch.nn.Module):
             "fail_on_recompile_limit_hit": True,
             "recompile_limit": self._max_graphs,
             # log calls in a forward (transformers' warning_once) are no graph break: dropped while tracing
-            "ignore_logging_functions": _logging_functions(),
+            "ignore_logging_functions": _logging_functions() | torch._dynamo.config.ignore_logging_functions,
         }
         try:
             with torch._dynamo.config.patch(**config), _no_fast_path():
@@ -121,10 +122,11 @@ def _no_fast_path() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(enabled)
 
 
-def _logging_functions() -> set:
+@functools.cache
+def _logging_functions() -> frozenset:
     methods = ("debug", "info", "warning", "warn", "error", "warning_once", "info_once", "warning_advice")
     found = {getattr(logging.Logger, m) for m in methods if hasattr(logging.Logger, m)}
-    return found | set(torch._dynamo.config.ignore_logging_functions)
+    return frozenset(found)
 
 
 def _add_prefix(module: ORTModule, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
