@@ -149,7 +149,6 @@ class _Spec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    device: torch.device | None = None
 
 
 def _plan_outputs(module: torch.fx.GraphModule, placeholders: list) -> tuple[list[_Output], list]:
