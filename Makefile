@@ -12,7 +12,7 @@ OB_STAMP := $(OB_VENV)/.installed
 # the stock venv has no onnxruntime-training: tests that mean the onnxblock engine run in .venv-onnxblock
 STOCK := not onnxblock
 
-.PHONY: test test-faults test-zoo test-hf test-onnxblock test-install demo lint bench clean
+.PHONY: test test-slow test-faults test-zoo test-hf test-onnxblock test-install demo lint bench clean
 
 # A venv is rebuilt from scratch when its lock changes: installing one runtime over the other is never an upgrade.
 $(STAMP): requirements.txt setup.py
@@ -36,7 +36,11 @@ $(OB_STAMP): requirements-onnxblock.txt setup.py
 # `make test-hf` runs the long ort_trainer.hf comparisons; `make test-onnxblock` runs the suite and the zoo
 # in the onnxruntime-training venv (CI runs all five).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not faults and not zoo and not hf_long and not install and $(STOCK)" tests
+	$(PY) -m pytest -q -m "not slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
+
+# the tests of the main suite that take over ~10 s each (tests/conftest.py SLOW_TESTS)
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
 
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m "faults and $(STOCK)" tests
