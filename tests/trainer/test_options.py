@@ -69,6 +69,7 @@ DEFAULTS = {
         "shrink_memory_arena": False,
         "engine": "auto",
         "graph_cache": True,
+        "intra_op_threads": 0,
     },
     "debug": {
         "deterministic_compute": False,
