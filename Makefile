@@ -54,9 +54,11 @@ test-hf: $(STAMP)
 	$(PY) -m pytest -q -m "hf_long and $(STOCK)" tests
 
 # onnxruntime-training: the main suite (its default engine there is onnxblock) and the onnxblock zoo (the
-# autograd zoo runs in `make test-zoo`); tests/checkpoint (files, sets, storage: no graph) runs in `make test` only
+# autograd zoo runs in `make test-zoo`); tests/checkpoint (files, sets, storage: no graph) runs in `make test` only,
+# and the slow tests (multi-rank runs, samples, fresh-process resumes) in `make test-slow` only, unless they mean
+# the onnxblock engine
 test-onnxblock: $(OB_STAMP)
-	$(OB_PY) -m pytest -q -m "not faults and not hf_long and not install and not (zoo and not onnxblock)" --ignore=tests/checkpoint tests
+	$(OB_PY) -m pytest -q -m "not faults and not hf_long and not install and not (zoo and not onnxblock) and not (slow and not onnxblock)" --ignore=tests/checkpoint tests
 	$(OB_PY) -m pytest -q -m "onnxblock" tests/checkpoint
 
 # `pip install .` from clean venvs against the package index: stock only, onnxruntime-training only, switching
