@@ -174,6 +174,7 @@ class ORTTrainer:
         self._require_open("train_step")
         self._check_background_save()
         inputs = self._gather_inputs(args, kwargs)
+        self._check_bindings()
         engine = self._ensure_built(inputs)
         return self._select_outputs(train_step(self._trainer_state, engine, inputs))
 
@@ -182,6 +183,7 @@ class ORTTrainer:
         self._require_open("eval_step")
         self._check_background_save()
         inputs = self._gather_inputs(args, kwargs)
+        self._check_bindings()
         engine = self._ensure_built(inputs)
         return self._select_outputs(eval_step(self._trainer_state, engine, inputs))
 
@@ -363,6 +365,12 @@ class ORTTrainer:
         """Raise the error of a finished asynchronous save nobody has been told about yet (never blocks)."""
         if self._trainer_state.checkpoint_io is not None:
             self._trainer_state.checkpoint_io.check()
+
+    def _check_bindings(self) -> None:
+        """Rebind ONNX Runtime if the buffers' storage moved; raise if the shared module was unlinked (`_bindings`)."""
+        state = self._trainer_state
+        if state.store.guard is not None:
+            state.store.guard.check(state.engine.session if state.engine is not None else None)
 
     def _before_changing_state(self) -> None:
         """An asynchronous save may still be copying the live buffers: wait for that copy (and report its error)."""

@@ -70,9 +70,7 @@ class _ShapeSession:
         self.io = self.session.io_binding()
         wanted = {i.name for i in self.session.get_inputs()}
         self.input_names = wanted
-        for name, tensor in owner._state.items():
-            if name in wanted:
-                self.io.bind_ortvalue_input(name, to_ortvalue(tensor))
+        self.bind_state(owner._state)
         traced = graphs.traced
         self.grad_names = [(n, n + "_grad") for n in traced.trained] if training else []
         self.updated = [(n, n + "_updated") for n in traced.updated] if training else []
@@ -89,6 +87,13 @@ class _ShapeSession:
             self.io.bind_ortvalue_input(spec.name, to_ortvalue(buffer))
         self.draws_randomness = bool(self.random) or draws_randomness(graphs.model)
         self._bound_target: str | None = None  # "grads" or "scratch": where the gradient outputs point now
+
+    def bind_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Bind the state (once; again when its storage moved) and let the gradient outputs be bound anew."""
+        for name, tensor in state.items():
+            if name in self.input_names:
+                self.io.bind_ortvalue_input(name, to_ortvalue(tensor))
+        self._bound_target = None
 
     def fill_random(self, generator: torch.Generator) -> None:
         for spec, buffer in self.random:
@@ -167,6 +172,11 @@ class AutogradSession:
     def seed_step(self, seed: int) -> None:
         """Seed this step's random draws (called before every training run that draws: `engine._step`)."""
         self._generator.manual_seed(seed)
+
+    def rebind_state(self) -> None:
+        """Bind the state and gradient buffers again: their storage moved in place (`engine._bindings`)."""
+        for shape in (*self._train.values(), *self._eval.values()):
+            shape.bind_state(self._state)
 
     def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
         """One forward + backward; gradients overwrite the buffer (``reset_grad``) or are added to it."""

@@ -211,7 +211,7 @@ class TrainingSession:
             )
         self._reset_flags = {flag: np.array([flag]) for flag in (True, False)}  # kept alive: ORT shares them
         self._reset_values = {flag: ort.OrtValue.ortvalue_from_numpy(a) for flag, a in self._reset_flags.items()}
-        self._state = {**params, **frozen}
+        self._state, self._grads = {**params, **frozen}, grads
         self._train_io = self._bind_state(self._train, self._state, grads)
         self._read = set(self._user_outputs) | {
             name for s in self._bn_stats for name in (s.new_mean_output, s.new_var_output, s.input_shape_output)
@@ -248,8 +248,8 @@ class TrainingSession:
     def train_input_names(self) -> list[str]:
         return [i.name for i in self._train.get_inputs()]
 
-    def _bind_state(self, session, state, grads) -> ort.IOBinding:
-        binding = session.io_binding()
+    def _bind_state(self, session, state, grads, binding: ort.IOBinding | None = None) -> ort.IOBinding:
+        binding = binding if binding is not None else session.io_binding()
         wanted = {i.name for i in session.get_inputs()}
         for name, tensor in state.items():
             if name in wanted:
@@ -257,6 +257,12 @@ class TrainingSession:
         for name, tensor in grads.items():
             binding.bind_ortvalue_input(f"{name}_grad.accumulation.buffer", to_ortvalue(tensor))
         return binding
+
+    def rebind_state(self) -> None:
+        """Bind the state and gradient buffers again: their storage moved in place (`engine._bindings`)."""
+        self._bind_state(self._train, self._state, self._grads, self._train_io)
+        if self._eval is not None:
+            self._bind_state(self._eval, self._state, {}, self._eval_io)
 
     def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
         """One forward+backward; gradients accumulate into the bound buffers (overwrite if ``reset_grad``)."""

@@ -24,6 +24,7 @@ from onnx import numpy_helper
 from ort_trainer.graph._names import KeyMatcher, canonical_name
 from ort_trainer.optim import FlatLayout, FlatOptimizer
 
+from ._bindings import BindingGuard, link_module
 from ._distributed import DistributedContext, ShardedOptimizer, ZeroPartition
 
 __all__ = ["ModelState", "ParamStore", "build_store", "model_state", "share_module_state"]
@@ -105,6 +106,7 @@ class ParamStore:
     loads_since_check: int = 0  # loads since the ranks last agreed (see _state.rank_agreement)
     diverged: bool = False  # the ranks were found to hold different states; cleared by a load on this rank
     diverged_reason: str = ""  # what the check found (kept until the ranks agree again)
+    guard: BindingGuard | None = None  # set by build_store: bindings followed, shared module checked (`_bindings`)
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -162,8 +164,12 @@ def build_store(
     zero = ZeroPartition(layout, dist.world_size, dist.rank) if dist is not None and zero_stage > 0 else None
     store = _allocate(state, layout, zero, device, dist)
     _shapes_only(state, store)
+    store.guard = BindingGuard(
+        lambda: [store.padded_params, store.padded_grads, *store.frozen.values()], lambda: store.weights
+    )
     if share_with is not None:
         share_module_state(share_with, store)
+        store.guard.links = link_module(share_with, state.aliases, store.weights)
     store.padded_grads.zero_()  # its pages are touched only now (torch.empty in _allocate)
     if zero is not None:
         store.optimizer = ShardedOptimizer(optim_config, zero, store.padded_params, store.padded_grads)
