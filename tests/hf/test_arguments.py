@@ -22,6 +22,7 @@ def _make(tmp_path, model=None, **kwargs):
         ({"optim": "adafactor"}, "TrainingArguments.optim='adafactor'"),
         ({"torch_compile": True}, "TrainingArguments.torch_compile=True"),
         ({"activation_checkpointing": True}, "TrainingArguments.activation_checkpointing=True"),
+        ({"gradient_checkpointing": True}, "TrainingArguments.gradient_checkpointing=True"),
         ({"neftune_noise_alpha": 5.0}, "TrainingArguments.neftune_noise_alpha=5.0"),
         ({"auto_find_batch_size": True}, "TrainingArguments.auto_find_batch_size=True"),
         ({"optim_args": "foo=1"}, "TrainingArguments.optim_args='foo=1'"),
@@ -31,6 +32,13 @@ def test_unsupported_training_arguments_are_refused_by_name(tmp_path, overrides,
     with pytest.raises(ValueError, match="not supported by ort_trainer.hf.Trainer") as error:
         _make(tmp_path, args=overrides)
     assert named in str(error.value)
+
+
+def test_gradient_checkpointing_is_refused_under_the_name_the_user_set(tmp_path):
+    # transformers 5 sets activation_checkpointing too (its alias): it had been named alone (issue S, point 5)
+    with pytest.raises(ValueError, match="not supported by ort_trainer.hf.Trainer") as error:
+        _make(tmp_path, args={"gradient_checkpointing": True})
+    assert str(error.value).startswith("TrainingArguments.gradient_checkpointing=True")
 
 
 def test_fp16_on_cpu_says_what_to_do_instead(tmp_path):
