@@ -4,6 +4,8 @@
 * ``_protocols``: the seams: ``GraphSource`` (where graphs come from) and ``ModelParallel``;
 * ``_sources``: the two graph sources, ``choose_engine`` and ``build_engine`` (the chosen source's ``Engine``);
 * ``_build``: ``BuildRequest``, ``Engine`` and the onnxblock build;
+* ``_bindings``: ``BindingGuard``, before each step: rebind when the buffers' storage moved, refuse a shared
+  module that no longer shows the trainer's buffers;
 * ``_session``: ``TrainingSession``, IOBinding of the flat buffers (DLPack, no copies) and the runs;
 * ``_onnxblock_graphs``: the gradient graph from onnxruntime-training's onnxblock (imported only by that engine);
 * ``_autograd_build`` / ``_autograd_session``: the autograd engine (graphs from PyTorch's autograd, any

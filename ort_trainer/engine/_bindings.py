@@ -59,6 +59,7 @@ class ModuleLinks:
         self._model, self._device = weakref.ref(model), device
         self._links = links
         self._expected: list[int] = []
+        self._checks: list[tuple] = []
         self.token = next(_TOKENS)
         _OWNER[model] = self.token
 
@@ -69,15 +70,19 @@ class ModuleLinks:
     def refresh(self, weights: dict[str, torch.Tensor]) -> None:
         """Record where each shared tensor must point (after construction, and after the storage moved)."""
         self._expected = [weights[link.state_name].data_ptr() for link in self._links]
+        self._checks = [
+            (link.slot, link.key, expected, link.requires_grad)
+            for link, expected in zip(self._links, self._expected, strict=True)
+        ]
 
     def check(self) -> None:
         """Raise, naming the tensors and the cause, if the module no longer shows what the trainer trains."""
-        for link, expected in zip(self._links, self._expected, strict=True):
-            tensor = link.slot.get(link.key)
+        for slot, key, expected, requires_grad in self._checks:  # every step: kept to the bare comparisons
+            tensor = slot.get(key)
             if (
                 tensor is None
                 or tensor.data_ptr() != expected
-                or (link.requires_grad is not None and tensor.requires_grad != link.requires_grad)
+                or (requires_grad is not None and tensor.requires_grad is not requires_grad)
             ):
                 raise self._error()
 

@@ -24,8 +24,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "bf16_full_eval": (lambda v: not v, "evaluation runs the ONNX Runtime eval graph in float32"),
     "fp16_full_eval": (lambda v: not v, "evaluation runs the ONNX Runtime eval graph in float32"),
     "tf32": (lambda v: not v, "TF32 is a CUDA matmul setting of PyTorch; ONNX Runtime does not read it"),
-    "activation_checkpointing": (lambda v: not v, "ONNX Runtime keeps activations in its own graph"),
-    "gradient_checkpointing": (lambda v: not v, "ONNX Runtime keeps activations in its own graph"),
     "torch_compile": (lambda v: not v, "the model is exported to ONNX, not compiled by torch.compile"),
     "use_liger_kernel": (lambda v: not v, "Liger kernels are PyTorch/Triton kernels"),
     "neftune_noise_alpha": (lambda v: v is None, "NEFTune adds noise from a PyTorch forward hook"),
@@ -48,6 +46,13 @@ def check_training_arguments(args: Any) -> None:
         raise ValueError(
             f"TrainingArguments.optim={optim!r} is not supported by ort_trainer.hf.Trainer: the update runs in "
             f"ONNX Runtime, which implements AdamW; use one of {list(SUPPORTED_OPTIMIZERS)}"
+        )
+    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
+        # transformers 5: each is the other's alias, both True when either is set; name the one users know first
+        raise ValueError(
+            "TrainingArguments.gradient_checkpointing=True / TrainingArguments.activation_checkpointing=True (one "
+            "setting under two names) is not supported by ort_trainer.hf.Trainer: ONNX Runtime keeps activations in "
+            "its own graph"
         )
     for name, (acceptable, why) in _REFUSED.items():
         value = getattr(args, name, None)

@@ -9,6 +9,9 @@ checkpoint scheduling, rotation, best-model tracking); a handful of hooks are re
 * ``prediction_step`` runs ``eval_step`` for the loss (predictions and logits come from PyTorch with
   the trained weights);
 * checkpoint folders get our files (`_files`) instead of HF's pickled optimizer/scheduler/RNG files;
+  ``resume_from_checkpoint=True`` resumes from the newest folder whose save completed (a preempted save
+  leaves the newest one incomplete), and a resumed run re-bases ORTTrainer's micro-step counter on the
+  run's ``gradient_accumulation_steps``;
 * ``save_model`` (and ``train()``'s end) copy the trained weights into ``trainer.model`` first.
 """
 
@@ -24,6 +27,7 @@ import torch
 import transformers
 
 from ort_trainer import ORTTrainer, ORTTrainerOptions
+from ort_trainer.checkpoint import CheckpointError
 
 from . import _files
 from ._arguments import check_training_arguments
@@ -140,13 +144,28 @@ class Trainer(transformers.Trainer):
         self._sync_model()
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """HF's ``train``; afterwards ``trainer.model`` holds the trained (or best) weights."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """HF's ``train``; afterwards ``trainer.model`` holds the trained (or best) weights.
+
+        ``resume_from_checkpoint=True``: the newest ``checkpoint-N`` of ``output_dir`` whose save completed
+        (newer, incomplete ones, left by a save that was killed, are skipped with a warning saying why).
+        """
         if self.model_init is not None:  # HF builds a new model (and optimizer): a new ORTTrainer follows
             self.ort_trainer, self._view, self._synced_step = None, None, 0
-        output = super().train(*args, **kwargs)
+        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            resume_from_checkpoint = str(self._newest_complete_checkpoint())
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
         self._sync_model()
         return output
+
+    def _newest_complete_checkpoint(self) -> Path:
+        folder, skipped = _files.newest_complete_checkpoint(self.args.output_dir, self.args.world_size)
+        for reason in skipped:
+            logger.warning("ort_trainer.hf: resume_from_checkpoint=True skips the incomplete %s", reason)
+        if folder is None:
+            why = f"; skipped: {'; '.join(skipped)}" if skipped else ""
+            raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir}){why}")
+        return folder
 
     # ------------------------------------------------------------------ ORTTrainer
     def _loss_is_scaled(self, num_items_in_batch: Any) -> bool:
@@ -185,7 +204,7 @@ class Trainer(transformers.Trainer):
         config = adam_config(self.args, view.param_groups, MODEL_PREFIX)
         ort = ORTTrainer(module, desc, config, options=self._ort_options)
         if self._pending_resume is not None:
-            ort.load_checkpoint(self._pending_resume, stateful=self._statefuls())
+            self._load_ort_checkpoint(ort, self._pending_resume)
             self._pending_resume = None
         logger.info("ort_trainer.hf: training on ONNX Runtime with inputs %s", sorted(feeds))
         return ort
@@ -240,11 +259,44 @@ class Trainer(transformers.Trainer):
                 f"resume_from_checkpoint: {checkpoint} has no {path.name} (the ORTTrainer state that "
                 "ort_trainer.hf.Trainer writes into checkpoint folders); it was not saved by ort_trainer.hf.Trainer"
             )
+        try:
+            step, updates = _files.saved_steps(path)
+        except CheckpointError as error:
+            raise ValueError(f"resume_from_checkpoint: {path} is not a complete checkpoint: {error}") from error
+        if updates != self.state.global_step:
+            raise ValueError(
+                f"resume_from_checkpoint: {checkpoint} mixes two saves: its {_files.TRAINER_STATE} has "
+                f"global_step={self.state.global_step}, but {path.name} holds optimization_step={updates} "
+                f"(step {step}); resume from another checkpoint folder"
+            )
         if self.ort_trainer is None:
             self._pending_resume = path  # loaded when the first batch has built the trainer
         else:
-            self.ort_trainer.load_checkpoint(path, stateful=self._statefuls())
+            self._load_ort_checkpoint(self.ort_trainer, path)
             self._synced_step = -1
+
+    def _load_ort_checkpoint(self, ort: ORTTrainer, path: Path) -> None:
+        """Load our state; re-base the micro-step counter on this run's accumulation windows.
+
+        HF resumes with the ``gradient_accumulation_steps`` of the new run (its windows restart at the
+        resumed update); ORTTrainer's counter (``step``) was saved as updates x the old one, which would put
+        its updates in the middle of HF's windows. Step = updates x the new one puts them at HF's window ends.
+        """
+        accumulation = self.args.gradient_accumulation_steps
+        with _QuietMidWindowLoad():
+            ort.load_checkpoint(path, stateful=self._statefuls())
+        updates = ort.train_step_info.optimization_step
+        if ort.train_step_info.step != updates * accumulation:
+            logger.info(
+                "ort_trainer.hf: %s was saved at micro-step %d after %d updates; this run accumulates %d "
+                "micro-batches per update, so ORTTrainer continues from micro-step %d",
+                path,
+                ort.train_step_info.step,
+                updates,
+                accumulation,
+                updates * accumulation,
+            )
+            ort.train_step_info.step = updates * accumulation
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         return None  # restored with ORTTrainer's checkpoint
@@ -267,3 +319,21 @@ def _tensors_or_none(inputs: Mapping[str, Any], num_items: Any) -> dict[str, tor
         return tensor_inputs(inputs, num_items)
     except (TypeError, ValueError):
         return None
+
+
+class _QuietMidWindowLoad:
+    """Drop ORTTrainer's "loaded inside an accumulation window" warning while a resume that re-bases the
+    window counter loads (the gradient buffer is empty anyway: nothing ran yet since the load)."""
+
+    def __init__(self) -> None:
+        self._logger = logging.getLogger("ort_trainer")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("loaded a state saved at step")
+
+    def __enter__(self) -> _QuietMidWindowLoad:
+        self._logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeFilter(self)
