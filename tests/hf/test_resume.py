@@ -103,6 +103,7 @@ def test_a_folder_whose_step_counts_disagree_is_refused_naming_both(full_run, tm
         _trainer(tmp_path / "out").train(resume_from_checkpoint=str(mixed))
 
 
+@pytest.mark.hf_long
 def test_resume_with_another_accumulation_trains_like_transformers_trainer(tmp_path):
     """Saved with gradient_accumulation_steps=1 after 3 updates (micro-step 3), resumed with 2: HF's windows
     start at the resumed update, and so must ORTTrainer's (micro-step 3 is inside a window of 2)."""
