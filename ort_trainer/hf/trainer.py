@@ -18,6 +18,7 @@ checkpoint scheduling, rotation, best-model tracking); a handful of hooks are re
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -154,9 +155,25 @@ class Trainer(transformers.Trainer):
             self.ort_trainer, self._view, self._synced_step = None, None, 0
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
             resume_from_checkpoint = str(self._newest_complete_checkpoint())
+        elif isinstance(resume_from_checkpoint, str | os.PathLike):
+            self._check_complete(Path(resume_from_checkpoint))
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         self._sync_model()
         return output
+
+    def _check_complete(self, folder: Path) -> None:
+        """A folder named explicitly must be complete: FileNotFoundError (a file is missing) or ValueError."""
+        problem = _files.checkpoint_problem(folder, self.args.world_size)
+        if problem is None:
+            return
+        newest, _ = _files.newest_complete_checkpoint(folder.parent, self.args.world_size)
+        hint = f"; the newest complete folder there is {newest}" if newest is not None else ""
+        message = f"resume_from_checkpoint={str(folder)!r}: {problem}; its save did not complete{hint}"
+        if problem.startswith("no "):
+            if _files.TRAINER_FILE in problem:  # HF's folders without our state: not saved by this Trainer
+                message += " (or it was not saved by ort_trainer.hf.Trainer, which writes ort_trainer.ortcp)"
+            raise FileNotFoundError(message)
+        raise ValueError(message)
 
     def _newest_complete_checkpoint(self) -> Path:
         folder, skipped = _files.newest_complete_checkpoint(self.args.output_dir, self.args.world_size)

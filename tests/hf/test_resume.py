@@ -95,6 +95,15 @@ def test_resume_true_without_a_complete_folder_says_why(full_run, tmp_path):
         _trainer(tmp_path).train(resume_from_checkpoint=True)
 
 
+def test_an_incomplete_folder_named_explicitly_is_refused_naming_what_it_lacks(full_run, tmp_path):
+    folder = tmp_path / "checkpoint-4"
+    shutil.copytree(full_run[0] / "checkpoint-4", folder)
+    BROKEN["half of trainer_state.json"](folder)
+    shutil.copytree(full_run[0] / "checkpoint-2", tmp_path / "checkpoint-2")
+    with pytest.raises(ValueError, match=r"trainer_state\.json is incomplete.*newest complete folder.*checkpoint-2"):
+        _trainer(tmp_path / "out").train(resume_from_checkpoint=str(folder))
+
+
 def test_a_folder_whose_step_counts_disagree_is_refused_naming_both(full_run, tmp_path):
     mixed = tmp_path / "checkpoint-4"
     shutil.copytree(full_run[0] / "checkpoint-4", mixed)
