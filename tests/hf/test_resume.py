@@ -2,8 +2,9 @@
 
 A save killed part-way leaves the newest ``checkpoint-N`` incomplete; ``resume_from_checkpoint=True`` resumes
 from the newest complete one and ends bit-exact to the run that was never stopped (the SIGKILL at every phase
-of a save: ``test_resume_faults.py``). A folder whose two step counts disagree is refused naming both; a
-resume with another ``gradient_accumulation_steps`` trains as ``transformers.Trainer`` does.
+of a save, ``faults``). A folder whose two step counts disagree is refused naming both; a resume with
+another ``gradient_accumulation_steps`` trains as ``transformers.Trainer`` does. The checks of a folder run on
+folders laid out as a save leaves them (`_saved_folder`), without training.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from ort_trainer import checkpoint
 from ort_trainer.hf import _files
 from tests.hf.common import OrtHFTrainer, TokenData, arguments, assert_weights_close, gpt2, pad_collate, run
 
@@ -25,6 +27,18 @@ OVERRIDES = dict(max_steps=6, save_strategy="steps", save_steps=2, gradient_accu
 def _trainer(output_dir, model=None, **overrides):
     args = arguments(output_dir, **{**OVERRIDES, **overrides})
     return OrtHFTrainer(model=model or gpt2(seed=11), args=args, train_dataset=TokenData(24), data_collator=pad_collate)
+
+
+def _saved_folder(folder, step: int, updates: int | None = None):
+    """What a completed save leaves in ``folder`` (HF's weights and state, our counters, the random state)."""
+    gpt2().save_pretrained(folder)
+    state = transformers.TrainerState(global_step=step, max_steps=6, train_batch_size=4)
+    state.save_to_json(str(folder / "trainer_state.json"))
+    updates = step if updates is None else updates
+    counters = {"step": 2 * updates, "optimization_step": updates}
+    checkpoint.save({"train_step_info": counters}, folder / "ort_trainer.ortcp")
+    _files.save_rng_state(folder / "rng_state.ortcp")
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +75,12 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("broken", sorted(BROKEN))
-def test_an_incomplete_folder_is_told_apart_from_a_complete_one(full_run, tmp_path, broken):
-    folder = tmp_path / "checkpoint-4"
-    shutil.copytree(full_run[0] / "checkpoint-4", folder)
+def test_an_incomplete_folder_is_told_apart_from_a_complete_one(tmp_path, broken):
+    folder = _saved_folder(tmp_path / "checkpoint-4", 4)
     assert _files.checkpoint_problem(folder, 1) is None
     BROKEN[broken](folder)
     assert _files.checkpoint_problem(folder, 1) is not None
-    shutil.copytree(full_run[0] / "checkpoint-2", tmp_path / "checkpoint-2")
+    _saved_folder(tmp_path / "checkpoint-2", 2)
     newest, skipped = _files.newest_complete_checkpoint(tmp_path, 1)
     assert newest == tmp_path / "checkpoint-2" and len(skipped) == 1 and "checkpoint-4" in skipped[0]
 
@@ -88,26 +101,23 @@ def test_resume_true_skips_the_incomplete_newest_folder_and_ends_bit_exact(full_
     assert _files.checkpoint_problem(tmp_path / "checkpoint-4", 1) is None  # saved again, complete
 
 
-def test_resume_true_without_a_complete_folder_says_why(full_run, tmp_path):
-    shutil.copytree(full_run[0] / "checkpoint-2", tmp_path / "checkpoint-2")
+def test_resume_true_without_a_complete_folder_says_why(tmp_path):
+    _saved_folder(tmp_path / "checkpoint-2", 2)
     (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()
     with pytest.raises(ValueError, match=r"No valid checkpoint found.*checkpoint-2: no trainer_state\.json"):
         _trainer(tmp_path).train(resume_from_checkpoint=True)
 
 
-def test_an_incomplete_folder_named_explicitly_is_refused_naming_what_it_lacks(full_run, tmp_path):
-    folder = tmp_path / "checkpoint-4"
-    shutil.copytree(full_run[0] / "checkpoint-4", folder)
+def test_an_incomplete_folder_named_explicitly_is_refused_naming_what_it_lacks(tmp_path):
+    folder = _saved_folder(tmp_path / "checkpoint-4", 4)
     BROKEN["half of trainer_state.json"](folder)
-    shutil.copytree(full_run[0] / "checkpoint-2", tmp_path / "checkpoint-2")
+    _saved_folder(tmp_path / "checkpoint-2", 2)
     with pytest.raises(ValueError, match=r"trainer_state\.json is incomplete.*newest complete folder.*checkpoint-2"):
         _trainer(tmp_path / "out").train(resume_from_checkpoint=str(folder))
 
 
-def test_a_folder_whose_step_counts_disagree_is_refused_naming_both(full_run, tmp_path):
-    mixed = tmp_path / "checkpoint-4"
-    shutil.copytree(full_run[0] / "checkpoint-4", mixed)
-    shutil.copy(full_run[0] / "checkpoint-2" / "ort_trainer.ortcp", mixed / "ort_trainer.ortcp")
+def test_a_folder_whose_step_counts_disagree_is_refused_naming_both(tmp_path):
+    mixed = _saved_folder(tmp_path / "checkpoint-4", 4, updates=2)  # our file from the save at update 2
     with pytest.raises(ValueError, match=r"global_step=4.*optimization_step=2"):
         _trainer(tmp_path / "out").train(resume_from_checkpoint=str(mixed))
 
@@ -134,8 +144,8 @@ def test_resume_with_another_accumulation_trains_like_transformers_trainer(tmp_p
 def test_resume_checks_read_only_the_counters_of_our_file(full_run):
     folder = full_run[0] / "checkpoint-4"
     assert _files.saved_steps(folder / "ort_trainer.ortcp") == (8, 4)
-    state = json.loads((folder / "trainer_state.json").read_text())
-    assert state["global_step"] == 4
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == 4
+    assert _files.checkpoint_problem(folder, 1) is None  # a real save's folder is complete
 
 
 def _phases() -> tuple[str, ...]:
