@@ -90,13 +90,15 @@ SLOW_TESTS = frozenset(
         "interop/test_interop_state.py::test_every_check_happens_at_the_call_and_a_failed_load_changes_nothing",  # 59 s
         "package/test_docs.py::test_python_blocks_run_in_order_in_one_namespace",  # 50 s
         "package/test_packaging.py::test_import_from_the_repository_root",  # 47 s
-        "distributed/test_dropout_ranks.py::test_zero_ranks_with_dropout_resume_exactly_and_draw_their_own_masks",  # 43 s
+        # 43 s
+        "distributed/test_dropout_ranks.py::test_zero_ranks_with_dropout_resume_exactly_and_draw_their_own_masks",
         "distributed/test_distributed.py::test_bad_distributed_saves_fail_on_every_rank_without_hanging",  # 42 s
         "package/test_samples.py::test_train_lm_sample_learns_and_writes_the_loss_curve",  # 40 s
         "hf/test_numerics.py::test_compute_loss_override_and_callbacks_behave_as_in_hf",  # 38 s
         "engine/test_graph_cache.py::test_processes_building_the_same_graph_at_once_share_one_file",  # 37 s
         "distributed/test_distributed.py::test_checkpoint_manager_on_two_ranks_resumes_the_latest_set",  # 36 s
-        "checkpoint/test_checkpoint_corruption.py::test_damaged_files_load_identically_or_raise_checkpoint_error",  # 33 s
+        # 33 s
+        "checkpoint/test_checkpoint_corruption.py::test_damaged_files_load_identically_or_raise_checkpoint_error",
         "hf/test_numerics.py::test_llama_with_a_padding_idx_trains_like_transformers_trainer",  # 31 s
         "package/test_samples.py::test_resume_sample_continues_bit_for_bit_after_sigkill",  # 29 s
         "trainer/test_dropout_resume.py::test_a_new_process_resumes_bit_exact_with_dropout_on",  # 29 s
@@ -105,28 +107,37 @@ SLOW_TESTS = frozenset(
         "distributed/test_distributed.py::test_zero_checkpoint_set_aggregates_to_the_single_process_state",  # 24 s
         "distributed/test_distributed.py::test_reshard_two_ranks_to_one_process",  # 24 s
         "package/test_samples.py::test_distributed_sample_trains_with_zero_aggregates_and_generates",  # 24 s
-        "checkpoint/test_checkpoint_async.py::test_async_save_writes_the_state_of_the_call_while_training_goes_on",  # 24 s
+        # 24 s
+        "checkpoint/test_checkpoint_async.py::test_async_save_writes_the_state_of_the_call_while_training_goes_on",
         "engine/test_session_binding.py::test_returned_outputs_survive_later_steps_of_other_batch_sizes",  # 22 s
         "distributed/test_distributed.py::test_legacy_per_rank_paths_each_rank_writes_exactly_its_file",  # 21 s
         "engine/test_teardown.py::test_two_rank_zero_run_exits_with_the_group_destroyed_by_the_exit_hook",  # 20 s
         "trainer/test_trainer_state.py::test_resume_in_fresh_process_is_bit_identical",  # 20 s
-        "checkpoint/test_checkpoint_async.py::test_process_exit_waits_for_unfinished_saves_and_reports_a_failure_nobody_saw",  # 19 s
+        # 19 s
+        "checkpoint/test_checkpoint_async.py::"
+        "test_process_exit_waits_for_unfinished_saves_and_reports_a_failure_nobody_saw",
         "checkpoint/test_missing_folders.py::test_two_gloo_ranks_save_into_new_folders_after_training",  # 18 s
         "checkpoint/test_checkpoint_faults.py::test_an_async_save_started_at_exit_completes",  # 17 s
         "package/test_packaging.py::test_wheel_has_exactly_one_top_level_package",  # 17 s
         "engine/test_share_module.py::test_tied_weights_stay_tied_and_loads_reach_the_module",  # 17 s
         "checkpoint/test_checkpoint_aggregate.py::test_streaming_peak_memory_is_about_two_tensors",  # 16 s
         "trainer/test_dropout_resume.py::test_a_new_trainer_resumes_bit_exact_with_dropout_on",  # 16 s
-        "engine/test_share_module.py::test_a_hugging_face_module_trained_by_default_saves_and_reloads_with_save_pretrained",  # 12 s
+        # 12 s
+        "engine/test_share_module.py::"
+        "test_a_hugging_face_module_trained_by_default_saves_and_reloads_with_save_pretrained",
         "interop/test_interop_models.py::test_position_ids_sliced_from_a_buffer_train_like_torch",  # 12 s
         "interop/test_interop_distributed.py::test_full_state_user_dicts_and_broadcast_from_rank0",  # 11 s
         "checkpoint/test_checkpoint_crafted.py::test_sound_files_pass_every_reader",  # 11 s
         "trainer/test_backward_attributes.py::test_cross_entropy_attributes_give_torchs_gradients",  # 11 s
         "engine/test_graph_cache.py::test_the_same_graph_is_loaded_and_any_change_is_a_new_entry",  # 11 s
         "package/test_docs.py::test_blocks_marked_processes_run_on_two_ranks",  # 10 s
-        "engine/test_autograd_engine.py::test_sgd_with_accumulation_equals_torch_padding_row_tied_head_batchnorm_and_new_batch_sizes",  # 10 s
+        # 10 s
+        "engine/test_autograd_engine.py::"
+        "test_sgd_with_accumulation_equals_torch_padding_row_tied_head_batchnorm_and_new_batch_sizes",
         "module/test_ortmodule_ddp.py::test_two_gloo_ranks_equal_one_eager_process_on_the_whole_batch",  # 20 s
-        "distributed/test_objects_distributed.py::test_ddp_writes_once_and_zero_shards_aggregate_and_load_into_any_world_size",  # 30 s
+        # 30 s
+        "distributed/test_objects_distributed.py::"
+        "test_ddp_writes_once_and_zero_shards_aggregate_and_load_into_any_world_size",
         "engine/test_fork_safety.py::test_a_forked_child_frees_its_inherited_trainer_without_hanging",  # 24 s
     }
 )
