@@ -39,7 +39,7 @@ def _eager_whole_batch() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _check(world: int, tmp_path) -> None:
     out = tmp_path / "rank0.json"
-    run_ranks(world, ["tests/ortmodule_ddp_worker.py", str(out)], timeout_s=300)
+    run_ranks(world, ["-m", "tests.ortmodule_ddp_worker", str(out)], timeout_s=300)
     got = json.loads(out.read_text())
     losses, weights = _eager_whole_batch()
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), atol=1e-5, rtol=1e-5)
