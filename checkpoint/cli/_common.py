@@ -18,8 +18,8 @@ import numpy as np
 
 from ..errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
 from ..format._h5_reader import DatasetInfo
-from ..format._h5_writer import _fsync, _publish
 from ..format._lazy_torch import is_tensor, is_torch_dtype, torch
+from ..format.files import fsync_path, publish
 from ..sets._manifest import is_manifest
 
 __all__ = [
@@ -152,8 +152,8 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, overwrite: bo
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         write(tmp)
-        _fsync(tmp, os.O_RDONLY)
-        _publish(tmp, path, overwrite)
+        fsync_path(tmp, os.O_RDONLY)
+        publish(tmp, path, overwrite)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

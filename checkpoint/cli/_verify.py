@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..format import _schema as S
+from ..format import schema as S
 from ..format._h5_reader import CheckpointReader, open_checkpoint
-from ..format._schema import TrainerOptionsRecord
+from ..format.schema import TrainerOptionsRecord
 from ..sets._aggregate import _FileSource
 from ..sets._manifest import Manifest, check_manifest, is_manifest, read_manifest
 from ..sets._partition import plan_aggregation

@@ -1,6 +1,6 @@
 """One checkpoint file: the HDF5 format (see ``FORMAT.md`` beside this file).
 
-- ``_schema``: key names, attribute names and typed records (the only place they are spelled); public
+- ``schema``: key names, attribute names and typed records (the only place they are spelled); public
   as ``format.schema``;
 - ``_codec``: one value <-> one HDF5 dataset, key escaping;
 - ``_checksum``: per-dataset checksums (CRC-32C; CRC-32 for format version 1) and their verification;
@@ -15,12 +15,12 @@
 - ``_storage``: the small storage interface the trainer talks to (HDF5 and in-memory).
 """
 
-from . import _schema as schema
+from . import schema
 from ._h5_reader import CheckpointReader, DatasetInfo, load, open_checkpoint
 from ._h5_writer import cleanup_temp_files, save
-from ._schema import FORMAT_NAME, FORMAT_VERSION, LEGACY_FORMAT_VERSION, PartitionInfo, TrainerOptionsRecord
 from ._storage import CheckpointStorage, HDF5Storage, InMemoryStorage
 from ._user_dict import decode_user_dict, decode_user_value, encode_user_dict, encode_user_value
+from .schema import FORMAT_NAME, FORMAT_VERSION, LEGACY_FORMAT_VERSION, PartitionInfo, TrainerOptionsRecord
 
 __all__ = [
     "FORMAT_NAME",

@@ -29,15 +29,16 @@ import h5py
 import numpy as np
 from h5py import h5d, h5f, h5p
 
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
-from . import _schema as S
+from ..errors import CheckpointError, CheckpointWriteError
+from . import schema as S
 from ._checksum import CRC32C
 from ._fork_guard import close_written, open_for_write
 from ._h5_index import Node, tree_digest
 from ._header import userblock_size, write_header
-from ._tempfile import LockedTempFile, remove_stale_temp_files, temp_path
+from ._tempfile import LockedTempFile, remove_stale_temp_files
+from .files import publish, temp_path
 
-__all__ = ["CheckpointBody", "RawWriter", "atomic_file", "checkpoint_body", "fsync_path", "publish"]
+__all__ = ["CheckpointBody", "RawWriter", "atomic_file", "checkpoint_body"]
 
 CHECKSUM = CRC32C  # what every new file carries (format version 2)
 _ERRNO_IN_TEXT = re.compile(r"errno = (\d+)")
@@ -171,35 +172,6 @@ def _close_quietly(f: h5py.File) -> None:
     """Close after a failure; a second error from HDF5 here would only hide the first one."""
     with contextlib.suppress(Exception):
         close_written(f)
-
-
-def fsync_path(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(tmp: Path, path: Path, overwrite: bool) -> None:
-    """Give the finished temp file its final name atomically; refuse to replace unless asked."""
-    if overwrite:
-        os.replace(tmp, path)
-    else:
-        try:
-            os.link(tmp, path)  # atomic "create if absent": closes the race with a concurrent writer
-        except FileExistsError:
-            raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it") from None
-        except OSError:  # file system without hard links
-            if path.exists():
-                raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it") from None
-            os.replace(tmp, path)
-        else:
-            os.unlink(tmp)
-    try:
-        fsync_path(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        pass  # some file systems cannot fsync a directory; the rename itself is still atomic
 
 
 def write_error(path: Path, tmp: Path, exc: BaseException) -> CheckpointWriteError:

@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointCorruptError
-from . import _schema as S
+from . import schema as S
 
 __all__ = [
     "CRC32",

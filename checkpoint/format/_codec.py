@@ -14,7 +14,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from . import _schema as S
+from . import schema as S
 from ._lazy_torch import is_tensor, torch
 
 __all__ = [

@@ -26,7 +26,7 @@ import numpy as np
 from h5py import h5d, h5s, h5z
 
 from ..errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
-from . import _schema as S
+from . import schema as S
 from ._codec import bits_dtype_names, numpy_dtype_name
 
 __all__ = ["StorageCheck", "check_attrs"]

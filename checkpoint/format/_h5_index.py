@@ -20,7 +20,7 @@ from h5py import h5d, h5g
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointFormatError
 from . import _h5_lowlevel as ll
-from . import _schema as S
+from . import schema as S
 from ._codec import unescape_key
 from ._h5_checks import StorageCheck, check_attrs
 

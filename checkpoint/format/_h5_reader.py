@@ -24,7 +24,7 @@ from ..errors import (
     CheckpointKeyError,
     CheckpointVersionError,
 )
-from . import _schema as S
+from . import schema as S
 from ._checksum import PendingChecks as _Checksums
 from ._checksum import for_version, streamed_checksum
 from ._codec import BITS_DTYPE_NAMES, bits_dtype_names, decode_python_value, numpy_dtype_name

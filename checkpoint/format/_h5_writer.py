@@ -18,11 +18,9 @@ from typing import Any
 import h5py
 from h5py import h5d, h5g
 
-from ..errors import CheckpointExistsError
 from . import _h5_lowlevel as ll
+from . import files
 from ._atomic import CHECKSUM, RawWriter, atomic_file, checkpoint_body
-from ._atomic import fsync_path as _fsync  # noqa: F401 - the manifest and CLI writers import it from here
-from ._atomic import publish as _publish  # noqa: F401 - the manifest and CLI writers import it from here
 from ._codec import STR_DTYPE, Leaf, encode_leaf, escape_key, leaf_array
 from ._h5_index import Node
 from ._tempfile import remove_stale_temp_files
@@ -94,9 +92,13 @@ def _write_tree(f: h5py.File, raw: RawWriter, entries: list[Entry]) -> Node:
 
 
 def check_target(path: Path, overwrite: bool) -> None:
-    """Refuse a directory or an existing file without ``overwrite``; create a missing folder (as DCP does)."""
-    if path.is_dir():
-        raise IsADirectoryError(f"{path} is a directory; give a file path for the checkpoint")
+    """:func:`.files.check_target` for a local path (a folder that cannot be created names the path)."""
+    files.check_target(
+        str(path), is_dir=path.is_dir, make_parent=lambda: _make_parent(path), exists=path.exists, overwrite=overwrite
+    )
+
+
+def _make_parent(path: Path) -> None:
     if not path.parent.is_dir():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,8 +106,6 @@ def check_target(path: Path, overwrite: bool) -> None:
             raise type(exc)(
                 exc.errno, f"cannot save {path}: cannot create its folder ({exc.strerror})", str(path.parent)
             ) from None
-    if path.exists() and not overwrite:
-        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
 
 
 def save(tree: Mapping[str, Any], path: str | os.PathLike[str], *, overwrite: bool = False) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import CheckpointExistsError, CheckpointKeyError, CheckpointNotFoundError
-from . import _schema as S
+from . import schema as S
 from ._codec import decode_python_value, encode_leaf, leaf_array
 from ._h5_reader import Key, load, split_key
 from ._h5_writer import plan_tree, save

@@ -19,37 +19,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import os
 import re
-import secrets
-import socket
 import time
 from pathlib import Path
 
-__all__ = [
-    "REMOTE_GRACE_S",
-    "TEMP_RE",
-    "LockedTempFile",
-    "host_tag",
-    "remove_stale_temp_files",
-    "temp_path",
-]
+from .files import REMOTE_GRACE_S, TEMP_RE, host_tag, pid_alive
 
-TEMP_RE = re.compile(r"^\.(?P<target>.+)\.tmp-(?:(?P<host>[A-Za-z0-9_.-]+)\.)?(?P<pid>\d+)-(?P<tag>[0-9a-f]{8})$")
-REMOTE_GRACE_S = 600.0
-
-
-@functools.cache
-def host_tag() -> str:
-    """This host's name as a file-name part: letters, digits, '-' and '_' only (dots become '_')."""
-    name = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64]
-    return name or "localhost"
-
-
-def temp_path(path: Path) -> Path:
-    """A fresh temporary name next to ``path`` for this process: ``.<name>.tmp-<host>.<pid>-<8 hex>``."""
-    return path.with_name(f".{path.name}.tmp-{host_tag()}.{os.getpid()}-{secrets.token_hex(4)}")
+__all__ = ["LockedTempFile", "remove_stale_temp_files"]
 
 
 class LockedTempFile:
@@ -104,22 +81,10 @@ class LockedTempFile:
         self.close()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by someone else
-    except OSError:
-        return True
-    return True
-
-
 def _writer_gone(match: re.Match, mtime: float, now: float) -> bool:
     host = match["host"]
     if host is None or host == host_tag():
-        return not _pid_alive(int(match["pid"]))
+        return not pid_alive(int(match["pid"]))
     return now - mtime >= REMOTE_GRACE_S
 
 

@@ -2,7 +2,7 @@
 
 Values the storage keeps exactly (str, int, float, bool, None, bytes, tensors, lists/tuples of
 one scalar type) are stored as they are. Everything else that we support is wrapped in a group
-with exactly one tag key (see ``_schema.USER_DICT_TAGS``): numpy arrays and scalars (loaded data
+with exactly one tag key (see ``schema.USER_DICT_TAGS``): numpy arrays and scalars (loaded data
 would otherwise come back as tensors), other lists and tuples (keys "0", "1", ...), ints outside
 int64 (numpy ``Generator`` states hold 128-bit ints), dicts with int keys (as (key, value) pairs)
 and dicts whose only key happens to be a tag. Anything else is refused unless ``allow_pickle=True``.
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointFormatError, CheckpointPickleError
-from . import _schema as S
+from . import schema as S
 from ._codec import encode_leaf
 from ._lazy_torch import is_tensor, torch
 

@@ -22,6 +22,7 @@ __all__ = [
     "LEGACY_FORMAT_VERSION",
     "PartitionInfo",
     "TrainerOptionsRecord",
+    "as_scalar",
 ]
 
 # ---- format identity (root attributes) ----------------------------------------------------------
@@ -160,7 +161,7 @@ TRAINER_OPTIONS_KEYS = (
 
 
 # ---- value coercion for records read from files (legacy files hold numpy/bytes values) -----------
-def _scalar(value: Any) -> Any:
+def as_scalar(value: Any) -> Any:
     """Unwrap one-element tensors and arrays, numpy scalars and utf-8 bytes into python values."""
     if is_tensor(value) and value.numel() == 1:
         value = value.reshape(()).item()
@@ -229,7 +230,7 @@ class TrainerOptionsRecord:
     def from_tree(cls, tree: Mapping[str, Any]) -> TrainerOptionsRecord:
         """Build from a loaded ``trainer_options`` group (python, numpy, tensor or bytes values)."""
         _check_keys(tree, TRAINER_OPTIONS_KEYS, (), TRAINER_OPTIONS_KEY)
-        return cls(**{key: _scalar(tree[key]) for key in TRAINER_OPTIONS_KEYS})
+        return cls(**{key: as_scalar(tree[key]) for key in TRAINER_OPTIONS_KEYS})
 
     def to_tree(self) -> dict[str, Any]:
         """The legacy ``trainer_options`` group as plain python values."""
@@ -277,10 +278,10 @@ class PartitionInfo:
         offset = tree.get(PARTITION_OFFSET_KEY)
         flag = tree.get(MEGATRON_ROW_PARTITION_KEY, -1)
         return cls(
-            original_dim=tuple(_scalar(d) for d in dims),
-            megatron_row_partition=_scalar(flag[0] if isinstance(flag, list | tuple) and len(flag) == 1 else flag),
-            offset=None if offset is None else _scalar(offset),
-            stride=None if tree.get(PARTITION_STRIDE_KEY) is None else _scalar(tree[PARTITION_STRIDE_KEY]),
+            original_dim=tuple(as_scalar(d) for d in dims),
+            megatron_row_partition=as_scalar(flag[0] if isinstance(flag, list | tuple) and len(flag) == 1 else flag),
+            offset=None if offset is None else as_scalar(offset),
+            stride=None if tree.get(PARTITION_STRIDE_KEY) is None else as_scalar(tree[PARTITION_STRIDE_KEY]),
         )
 
     def to_tree(self) -> dict[str, Any]:

@@ -16,15 +16,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointStorageError
-from ..format._h5_writer import _fsync, _publish
-from ..format._tempfile import host_tag
+from ..format.files import fsync_path, publish, temp_name
 from ._stale import remove_stale_objects
 
 __all__ = ["LocalLocation", "Location", "RemoteLocation", "is_url", "resolve", "temp_name"]
@@ -39,12 +37,6 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")  # two letters at least: C:
 def is_url(path: Any) -> bool:
     """True for ``scheme://...`` strings (``file://`` included), False for plain paths."""
     return isinstance(path, str) and _URL.match(path) is not None
-
-
-def temp_name(name: str) -> str:
-    """The hidden temporary name a file is written under before it is published as ``name``
-    (writer's host and pid in it: a later save removes it if the writer was killed, see ``_stale``)."""
-    return f".{name}.tmp-{host_tag()}.{os.getpid()}-{secrets.token_hex(4)}"
 
 
 class LocalLocation:
@@ -98,8 +90,8 @@ class LocalLocation:
         tmp = self.path.with_name(temp_name(self.name))
         try:
             tmp.write_bytes(data)
-            _fsync(tmp, os.O_RDONLY)
-            _publish(tmp, self.path, overwrite)
+            fsync_path(tmp, os.O_RDONLY)
+            publish(tmp, self.path, overwrite)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -23,8 +23,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import CheckpointExistsError
 from ..format._h5_writer import save_to_checked_target
+from ..format.files import check_target
 from ._async import AsyncWriter, SaveHandle
 from ._location import LocalLocation, Location
 from ._set_writer import plan_set_save, write_set
@@ -86,11 +86,13 @@ class CheckpointIO:
 def _check_single_target(target: Location, overwrite: bool) -> None:
     """What ``checkpoint.save`` would refuse, refused now (not later on the background thread); a missing
     folder is created now, at the call."""
-    if target.is_dir():
-        raise IsADirectoryError(f"{target.display} is a directory; give a file path for the checkpoint")
-    make_parent_folder(target)
-    if not overwrite and target.exists():
-        raise CheckpointExistsError(f"{target.display} already exists; pass overwrite=True to replace it")
+    check_target(
+        target.display,
+        is_dir=target.is_dir,
+        make_parent=lambda: make_parent_folder(target),
+        exists=target.exists,
+        overwrite=overwrite,
+    )
 
 
 def write_checkpoint(

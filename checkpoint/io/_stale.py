@@ -3,7 +3,7 @@
 A remote save writes a local spool file first, then uploads it to a temporary key
 ``.<name>.tmp-<host>.<pid>-<8 hex>`` and moves that to the final key. A process killed on the way leaves
 a full-size spool folder behind, and possibly the temporary object. Both carry their writer's host and
-pid in their names, like the local temporary files of ``checkpoint.format._tempfile``, so later saves
+pid in their names, like the local temporary files of ``checkpoint.format.files``, so later saves
 can tell dead leftovers from a live save's files:
 
 * a spool folder ``ort_trainer-spool-<host>.<pid>-<random>`` of this host whose pid is not alive is
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..format._tempfile import REMOTE_GRACE_S, TEMP_RE, host_tag
+from ..format.files import REMOTE_GRACE_S, TEMP_RE, host_tag, pid_alive
 
 __all__ = ["remove_stale_objects", "remove_stale_spools", "spool_prefix"]
 
@@ -40,16 +40,6 @@ def spool_prefix() -> str:
     return f"{_SPOOL}{host_tag()}.{os.getpid()}-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def remove_stale_spools(root: str | None = None) -> list[Path]:
     """Remove the spool folders of dead processes of this host from ``root`` (default: TMPDIR)."""
     root = root or tempfile.gettempdir()
@@ -57,7 +47,7 @@ def remove_stale_spools(root: str | None = None) -> list[Path]:
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
             match = _SPOOL_RE.match(entry.name)
-            if match is None or match["host"] != host_tag() or _pid_alive(int(match["pid"])):
+            if match is None or match["host"] != host_tag() or pid_alive(int(match["pid"])):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -83,7 +73,7 @@ def _dead(name: str, info: dict[str, Any], now: float) -> bool:
     match = TEMP_RE.match(name)
     if match is None:
         return False
-    if match["host"] == host_tag() and not _pid_alive(int(match["pid"])):
+    if match["host"] == host_tag() and not pid_alive(int(match["pid"])):
         return True
     age = _age(info, now)
     return age is not None and age >= REMOTE_GRACE_S

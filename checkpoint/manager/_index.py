@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ..format import _schema as S
+from ..format import schema as S
 from ..io._location import Location
 
 __all__ = ["INDEX_NAME", "MAX_STEP", "IndexEntry", "checkpoint_name", "read_index", "scan", "write_index"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ..format import _schema as S
+from ..format import schema as S
 from ..format._lazy_torch import torch
 
 __all__ = ["Entry", "check_state", "type_name", "unwrap"]

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointFormatError
-from ..format import _schema as S
+from ..format import schema as S
 from ..format._h5_reader import open_checkpoint
 from ..format._lazy_torch import is_tensor
 from ..format._user_dict import decode_user_dict, decode_user_value

@@ -24,7 +24,7 @@ from ..errors import CheckpointNotFoundError
 from ..format._h5_reader import CheckpointReader, open_checkpoint
 from ..format._h5_stream import save_stream
 from ..format._lazy_torch import torch
-from ..format._schema import MANIFEST_SUFFIX
+from ..format.schema import MANIFEST_SUFFIX
 from ._assemble import assemble, build_tree, leaf_count
 from ._manifest import Manifest, check_manifest, is_manifest
 from ._partition import Plan, plan_aggregation

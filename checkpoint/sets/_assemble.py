@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..format import _schema as S
+from ..format import schema as S
 from ..format._lazy_torch import torch
 from ._partition import ConstItem, Copies, Item, Key, Pieces, Plan, RankItem, TensorItem, ValueItem, _fmt
 from ._rankset import AggregationError

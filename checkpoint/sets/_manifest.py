@@ -26,8 +26,8 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
-from ..format import _schema as S
-from ..format._h5_writer import _fsync, _publish
+from ..format import schema as S
+from ..format.files import fsync_path, publish
 
 __all__ = [
     "Manifest",
@@ -332,8 +332,8 @@ def write_manifest(
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.write_bytes(data)
-        _fsync(tmp, os.O_RDONLY)
-        _publish(tmp, path, overwrite)
+        fsync_path(tmp, os.O_RDONLY)
+        publish(tmp, path, overwrite)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..format import _schema as S
+from ..format import schema as S
 from ..format._lazy_torch import is_tensor, torch
 
 __all__ = ["own_rank_section", "per_rank_entries", "sections_that_differ"]

@@ -17,11 +17,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import CheckpointError
-from ..format import _schema as S
+from ..format import schema as S
 from ..format._codec import numpy_dtype_name
 from ..format._h5_reader import DatasetInfo
 from ..format._lazy_torch import is_tensor, torch
-from ..format._schema import TrainerOptionsRecord
+from ..format.schema import TrainerOptionsRecord
 
 __all__ = ["AggregationError", "RankMeta", "RankSet", "RankSource", "StateSource", "read_rank_set"]
 
@@ -146,7 +146,7 @@ def _read_meta(source: RankSource) -> RankMeta:
         options=options,
         run_id=run_id,
         flat_order=None if order is None else tuple(order),
-        train_step_info=None if steps is None else tuple(sorted((k, S._scalar(v)) for k, v in steps.items())),
+        train_step_info=None if steps is None else tuple(sorted((k, S.as_scalar(v)) for k, v in steps.items())),
     )
 
 

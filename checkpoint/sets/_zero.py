@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..format import _schema as S
+from ..format import schema as S
 from ..format._lazy_torch import torch
-from ..format._schema import PartitionInfo, TrainerOptionsRecord
+from ..format.schema import PartitionInfo, TrainerOptionsRecord
 
 __all__ = ["ZeroPiece", "fresh", "full_state_options", "reshard_state", "split_zero", "zero_pieces"]
 

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..format import _schema as S
+from ..format import schema as S
 from ..format._lazy_torch import torch
-from ..format._schema import PartitionInfo, TrainerOptionsRecord
+from ..format.schema import PartitionInfo, TrainerOptionsRecord
 from ._zero import fresh, full_state_options, split_zero
 
 __all__ = ["partition", "partition_grid"]

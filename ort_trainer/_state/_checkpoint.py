@@ -215,7 +215,7 @@ def _is_partitioned_set(paths: Sequence[str | os.PathLike]) -> bool:
 
 def _topology_value(options: Any, key: str, default: int, path: Any) -> int:
     """One topology field of a file's ``trainer_options``, checked as the aggregation checks it."""
-    value = S._scalar(options.get(key, default)) if isinstance(options, Mapping) else default
+    value = S.as_scalar(options.get(key, default)) if isinstance(options, Mapping) else default
     if not isinstance(value, int) or isinstance(value, bool) or value < min(default, 1):
         raise checkpoint.CheckpointCorruptError(
             f"{path}: invalid trainer_options: {key}: expected an int >= {min(default, 1)}, got {value!r}"

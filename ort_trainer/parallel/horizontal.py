@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer.checkpoint import PartitionInfo
-from ort_trainer.checkpoint.format import schema as K
+from ort_trainer.checkpoint.format import schema as S
 
 from .groups import DataParallelView, Grid
 from .plan import find_blocks
@@ -125,19 +125,19 @@ class HorizontalParallel:
         state = dict(state)
         if pytorch_format:
             return {name: self._cut(name, value) for name, value in state.items()}
-        model = state.get(K.MODEL_KEY)
-        if isinstance(model, Mapping) and isinstance(model.get(K.FULL_PRECISION_KEY), Mapping):
-            weights = {n: self._cut(n, v) for n, v in model[K.FULL_PRECISION_KEY].items()}
-            state[K.MODEL_KEY] = {**model, K.FULL_PRECISION_KEY: weights}
-        optimizer = state.get(K.OPTIMIZER_KEY)
+        model = state.get(S.MODEL_KEY)
+        if isinstance(model, Mapping) and isinstance(model.get(S.FULL_PRECISION_KEY), Mapping):
+            weights = {n: self._cut(n, v) for n, v in model[S.FULL_PRECISION_KEY].items()}
+            state[S.MODEL_KEY] = {**model, S.FULL_PRECISION_KEY: weights}
+        optimizer = state.get(S.OPTIMIZER_KEY)
         if isinstance(optimizer, Mapping):
-            state[K.OPTIMIZER_KEY] = {
-                n: {k: self._cut(n, v) if k in K.SHARDED_OPTIMIZER_KEYS else v for k, v in e.items()}
+            state[S.OPTIMIZER_KEY] = {
+                n: {k: self._cut(n, v) if k in S.SHARDED_OPTIMIZER_KEYS else v for k, v in e.items()}
                 if isinstance(e, Mapping)
                 else e
                 for n, e in optimizer.items()
             }
-        state.pop(K.PARTITION_INFO_KEY, None)
+        state.pop(S.PARTITION_INFO_KEY, None)
         return state
 
     def _cut(self, name: str, value):

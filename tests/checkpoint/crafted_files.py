@@ -26,7 +26,7 @@ from h5py import h5d, h5p, h5s, h5t
 
 from ort_trainer import checkpoint as C
 from ort_trainer.checkpoint.format import _h5_lowlevel as ll
-from ort_trainer.checkpoint.format import _schema as S
+from ort_trainer.checkpoint.format import schema as S
 from ort_trainer.checkpoint.format._checksum import for_version
 from ort_trainer.checkpoint.format._h5_index import Node, tree_digest
 from ort_trainer.checkpoint.format._header import write_header

@@ -1,4 +1,5 @@
-"""The custom loop of ``tests/custom_loop.py`` as a process: ``python -m tests.custom_loop_worker RUN_DIR OUT``.
+"""The custom loop of ``tests/custom_loop.py`` as a process:
+``python -m tests.checkpoint.custom_loop_worker RUN_DIR OUT``.
 
 Restores the newest checkpoint of RUN_DIR if there is one, trains to the end with an asynchronous save every
 2 steps (keep_last=2), printing ``step <n>`` after each step (the test kills it with SIGKILL part way), and

@@ -1,6 +1,6 @@
 """Forks during asynchronous saves, for tests/checkpoint/test_checkpoint_fork.py (issue 32, item 1).
 
-``python -m tests.fork_saver OUT held`` trains an MLP one step and saves it asynchronously three times to
+``python -m tests.checkpoint.fork_saver OUT held`` trains an MLP one step and saves it asynchronously three times to
 ``OUT/a.ortcp`` (the second and third with ``overwrite=True``: no good copy is left if they are
 damaged). Each save's writer thread is held at one phase while its HDF5 file is open (the first
 dataset, halfway through the datasets, the end just before HDF5 closes the file), and the process
@@ -8,7 +8,7 @@ forks three children there: one that exits normally (``sys.exit``: HDF5's exit h
 loads the checkpoint with ``os.fork`` and exits normally, and a ``multiprocessing`` (fork start method)
 worker that loads it. Then the writer goes on; once the save is published the parent hashes the file
 and loads it, and only then releases the children. After they are all gone it hashes and loads the
-file again. ``python -m tests.fork_saver OUT free ROUNDS``: ROUNDS saves, each with up to 16 forks in a
+file again. ``python -m tests.checkpoint.fork_saver OUT free ROUNDS``: ROUNDS saves, each with up to 16 forks in a
 loop while it runs (no phase held; children exit normally or load).
 
 Prints one JSON line per phase: ``before``/``after`` are SHA-256 of the published file before the

@@ -1,6 +1,6 @@
 """One rank's saver for the SIGKILL tests (tests/test_checkpoint_set_kills.py).
 
-``python -m tests.kill_saver RANK WORLD PATH MODE`` imports the library once, then on each ``go PORT``
+``python -m tests.checkpoint.kill_saver RANK WORLD PATH MODE`` imports the library once, then on each ``go PORT``
 line forks a child that joins a fresh process group on PORT (when WORLD > 1), builds a trainer,
 resumes from the checkpoint at PATH if there is one, and trains + saves to PATH with
 ``overwrite=True`` (MODE ``sync`` or ``async``) until it is killed. The

@@ -11,7 +11,7 @@ import torch
 
 from ort_trainer import checkpoint
 from ort_trainer.checkpoint.format import _checksum as K
-from ort_trainer.checkpoint.format import _schema as S
+from ort_trainer.checkpoint.format import schema as S
 
 
 def test_standard_check_values():

@@ -1,7 +1,7 @@
 """Damaged files: every load returns the original data exactly or raises a CheckpointError, nothing else.
 
 h5py can crash the interpreter on some damaged HDF5 files (seen while fuzzing files without our
-header), so the seeded cases run in child processes (``tests/fuzz_runner.py``): a crash or a hang is
+header), so the seeded cases run in child processes (``tests/checkpoint/fuzz_runner.py``): a crash or a hang is
 recorded for its case, the child restarted, and the test fails naming the case. ``verify`` must agree
 with ``load`` on every case.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ort_trainer import checkpoint as C
-from tests.fuzz_runner import run_cases
+from tests.checkpoint.fuzz_runner import run_cases
 from tests.paths import FIXTURES
 
 SEED = 424242

@@ -1,6 +1,6 @@
 """Crafted files against every reader: each one refuses each case with a CheckpointError, quickly, in bounded memory.
 
-The cases (``tests/crafted_files.py``) have valid checksums: only validation can catch them. Every case
+The cases (``tests/checkpoint/crafted_files.py``) have valid checksums: only validation can catch them. Every case
 runs in a process of its own, forked from a helper that imported the library once, under a memory
 limit (``RLIMIT_AS``: the helper's address space after imports plus ``MEMORY_MARGIN``) and a time limit
 (``CASE_SECONDS`` for all readers together): an allocation of the declared size, a hang or a crash fails
@@ -23,7 +23,7 @@ import time
 import pytest
 
 from ort_trainer import checkpoint as C
-from tests.crafted_files import ACCEPTED, CASES, base_tree, build
+from tests.checkpoint.crafted_files import ACCEPTED, CASES, base_tree, build
 from tests.paths import REPO
 
 READERS = (
@@ -51,7 +51,7 @@ import torch
 from ort_trainer import ORTTrainer, optim
 from ort_trainer import checkpoint as C
 from ort_trainer.checkpoint.cli._main import main as cli
-from tests.crafted_files import base_tree
+from tests.checkpoint.crafted_files import base_tree
 
 def trainer():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3))

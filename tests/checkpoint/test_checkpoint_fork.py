@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.processes, pytest.mark.skipif(not hasattr(os, "fork"),
 
 def _run(out, *args: str) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.fork_saver", str(out), *args],
+        [sys.executable, "-m", "tests.checkpoint.fork_saver", str(out), *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,

@@ -22,8 +22,8 @@ _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def _run(*args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.custom_loop_worker", *args], cwd=REPO, env=_ENV, capture_output=True, text=True,
-        timeout=300,
+        [sys.executable, "-m", "tests.checkpoint.custom_loop_worker", *args],
+        cwd=REPO, env=_ENV, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -33,7 +33,8 @@ def test_a_custom_loop_killed_with_sigkill_resumes_bit_exactly(tmp_path):
     run = tmp_path / "run"
     _run(str(tmp_path / "none"), str(tmp_path / "reference.ortcp"), "--no-checkpoints")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "tests.custom_loop_worker", str(run), str(tmp_path / "killed.ortcp"), "--slow"],
+        [sys.executable, "-m", "tests.checkpoint.custom_loop_worker", str(run), str(tmp_path / "killed.ortcp"),
+         "--slow"],
         cwd=REPO, env=_ENV, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

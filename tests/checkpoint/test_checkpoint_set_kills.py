@@ -3,7 +3,7 @@
 The previous complete checkpoint must always stay loadable, and nothing half-published may be visible:
 whatever manifest (or single file) is at the path verifies completely and holds one step of the run,
 never older than one seen before. Each round forks fresh savers from helpers that imported the library
-once (tests/kill_saver.py); after the victim is killed the other rank is killed too (its job is gone).
+once (tests/checkpoint/kill_saver.py); after the victim is killed the other rank is killed too (its job is gone).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ KILLS = 20
 
 
 class _Helper:
-    """One rank's helper process (tests.kill_saver) and the lines it and its children print."""
+    """One rank's helper process (tests.checkpoint.kill_saver) and the lines it and its children print."""
 
     def __init__(self, rank: int, world: int, path: Path, mode: str) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "tests.kill_saver", str(rank), str(world), str(path), mode]
+        command = [sys.executable, "-m", "tests.checkpoint.kill_saver", str(rank), str(world), str(path), mode]
         self.proc = subprocess.Popen(
             command, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

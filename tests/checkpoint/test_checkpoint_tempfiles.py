@@ -19,6 +19,7 @@ import pytest
 
 from ort_trainer import checkpoint as C
 from ort_trainer.checkpoint.format import _tempfile as T
+from ort_trainer.checkpoint.format import files as F
 from ort_trainer.checkpoint.format._h5_stream import save_stream
 
 
@@ -48,7 +49,7 @@ def _temps(folder):
 
 @pytest.mark.processes
 def test_next_save_removes_temp_files_of_dead_writers(tmp_path):
-    host = T.host_tag()
+    host = F.host_tag()
     dead = _dead_pid()
     stale = [
         tmp_path / f".a.ortcp.tmp-{host}.{dead}-0123abcd",  # this library, this host, writer gone
@@ -65,13 +66,13 @@ def test_next_save_removes_temp_files_of_dead_writers(tmp_path):
 
 @pytest.mark.processes
 def test_temp_files_of_live_or_remote_writers_are_kept(tmp_path):
-    host = T.host_tag()
+    host = F.host_tag()
     mine = tmp_path / f".a.ortcp.tmp-{host}.{os.getpid()}-0123abcd"  # pid alive: maybe a save in progress
     remote = tmp_path / f".b.ortcp.tmp-otherhost.example.{_dead_pid()}-0123abcd"  # fresh, from another host
     old_remote = tmp_path / f".c.ortcp.tmp-otherhost.example.{_dead_pid()}-89abcdef"
     for p in (mine, remote, old_remote):
         p.write_bytes(b"x")
-    past = time.time() - T.REMOTE_GRACE_S - 10
+    past = time.time() - F.REMOTE_GRACE_S - 10
     os.utime(old_remote, (past, past))
     C.save({"w": np.zeros(3)}, tmp_path / "d.ortcp")
     assert _temps(tmp_path) == sorted([mine.name, remote.name])
@@ -82,7 +83,7 @@ def test_locked_temp_file_is_never_removed(tmp_path):
     """A lock held by any process protects the file, whatever its name says about the writer."""
     import fcntl
 
-    victim = tmp_path / f".a.ortcp.tmp-{T.host_tag()}.{_dead_pid()}-0123abcd"
+    victim = tmp_path / f".a.ortcp.tmp-{F.host_tag()}.{_dead_pid()}-0123abcd"
     victim.write_bytes(b"x")
     with open(victim, "rb") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -111,7 +112,7 @@ def test_live_concurrent_writer_keeps_its_temp_file(tmp_path):
         assert report.readline().strip() == "writing"
         live = _temps(tmp_path)
         assert len(live) == 1 and live[0].startswith(".slow.ortcp.tmp-")
-        assert T.TEMP_RE.match(live[0])["pid"] == str(pid)
+        assert F.TEMP_RE.match(live[0])["pid"] == str(pid)
         C.save({"w": np.arange(4)}, tmp_path / "other.ortcp")
         C.save({"w": np.arange(5)}, tmp_path / "slow.ortcp")  # even a save to the same path
         assert C.cleanup_temp_files(tmp_path) == []
@@ -128,9 +129,9 @@ def test_live_concurrent_writer_keeps_its_temp_file(tmp_path):
 
 
 def test_own_temp_file_name_and_lock(tmp_path):
-    name = T.temp_path(tmp_path / "x.ortcp")
-    match = T.TEMP_RE.match(name.name)
-    assert match and match["host"] == T.host_tag() and int(match["pid"]) == os.getpid()
+    name = F.temp_path(tmp_path / "x.ortcp")
+    match = F.TEMP_RE.match(name.name)
+    assert match and match["host"] == F.host_tag() and int(match["pid"]) == os.getpid()
     assert match["target"] == "x.ortcp"
     with T.LockedTempFile(name) as tmp:
         assert name.exists()
@@ -142,9 +143,38 @@ def test_own_temp_file_name_and_lock(tmp_path):
 @pytest.mark.parametrize("hostname", ["node-1.cluster.local", "weird host/name", ""])
 def test_host_tag_is_a_safe_name_part(monkeypatch, hostname):
     monkeypatch.setattr(socket, "gethostname", lambda: hostname)
-    T.host_tag.cache_clear()
+    F.host_tag.cache_clear()
     try:
-        tag = T.host_tag()
+        tag = F.host_tag()
         assert tag and all(c.isalnum() or c in "-_" for c in tag)
     finally:
-        T.host_tag.cache_clear()
+        F.host_tag.cache_clear()
+
+
+def test_one_pid_check_a_writer_we_may_not_signal_is_alive_and_keeps_its_files(tmp_path, monkeypatch):
+    """The local cleanup (``format._tempfile``) and the remote one (``io._stale``: spool folders) ask the same
+    ``files.pid_alive``: only ``ProcessLookupError`` means gone; another user's process (``PermissionError``)
+    and any other error mean alive, so neither cleanup deletes that writer's files."""
+    from ort_trainer.checkpoint.io import _stale
+
+    def kill_raising(error):
+        def kill(pid, sig):
+            assert sig == 0
+            raise error
+
+        return kill
+
+    pid = 424242
+    temp = tmp_path / f".a.ortcp.tmp-{F.host_tag()}.{pid}-0123abcd"
+    temp.write_bytes(b"x")
+    spool = tmp_path / f"{_stale.spool_prefix().rsplit('.', 1)[0]}.{pid}-abc"
+    spool.mkdir()
+    for error in (PermissionError(1, "Operation not permitted"), OSError(22, "Invalid argument")):
+        monkeypatch.setattr(F.os, "kill", kill_raising(error))
+        assert F.pid_alive(pid) is True
+        assert T.remove_stale_temp_files(tmp_path) == [] and temp.exists()
+        assert _stale.remove_stale_spools(str(tmp_path)) == [] and spool.exists()
+    monkeypatch.setattr(F.os, "kill", kill_raising(ProcessLookupError(3, "No such process")))
+    assert F.pid_alive(pid) is False
+    assert T.remove_stale_temp_files(tmp_path) == [temp]
+    assert _stale.remove_stale_spools(str(tmp_path)) == [spool]

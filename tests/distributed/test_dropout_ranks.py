@@ -16,7 +16,7 @@ from tests.ranks import run_ranks
 @pytest.mark.processes
 def test_zero_ranks_with_dropout_resume_exactly_and_draw_their_own_masks(tmp_path):
     for phase in ("full", "resume"):
-        run_ranks(2, ["-m", "tests.dropout_ranks_worker", phase, str(tmp_path)])
+        run_ranks(2, ["-m", "tests.distributed.dropout_ranks_worker", phase, str(tmp_path)])
     full = [checkpoint.load(tmp_path / f"full-rank{r}.h5") for r in range(2)]
     resumed = [checkpoint.load(tmp_path / f"resume-rank{r}.h5") for r in range(2)]
     assert full[0]["seed"] == full[1]["seed"] == 0  # rank 0's torch seed

@@ -4,7 +4,7 @@ DDP: rank 0 writes the whole state once and every rank restores it. ``ZeroRedund
 shard goes into the rank set; the set restores at the same world size (training on is bit-exact), into a plain
 AdamW of one process and into a ZeRO optimizer of 1 rank (checked against ZeRO's own consolidated
 ``state_dict()``), and ``python -m ort_trainer.checkpoint aggregate`` makes one file of it that loads the same.
-The checks run in ``tests/objects_dist_worker.py``.
+The checks run in ``tests/distributed/objects_dist_worker.py``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ pytestmark = pytest.mark.processes
 
 
 def test_ddp_writes_once_and_zero_shards_aggregate_and_load_into_any_world_size(tmp_path):
-    logs = run_ranks(2, ["-m", "tests.objects_dist_worker", "ranks", str(tmp_path)])
+    logs = run_ranks(2, ["-m", "tests.distributed.objects_dist_worker", "ranks", str(tmp_path)])
     assert all(log.rstrip().endswith("ok") for log in logs), logs
-    run_ranks(1, ["-m", "tests.objects_dist_worker", "one", str(tmp_path)])
+    run_ranks(1, ["-m", "tests.distributed.objects_dist_worker", "one", str(tmp_path)])
 
     manifest = tmp_path / "zero" / "ckpt-000000003.ortcp.manifest.json"
     out = tmp_path / "aggregated.ortcp"

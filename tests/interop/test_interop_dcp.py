@@ -18,7 +18,7 @@ pytestmark = pytest.mark.processes  # every test here starts other processes
 
 def test_dcp_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     for phase in ("first", "resume"):
-        cmd = [sys.executable, "-m", "tests.dcp_worker", phase, str(tmp_path)]
+        cmd = [sys.executable, "-m", "tests.interop.dcp_worker", phase, str(tmp_path)]
         done = subprocess.run(cmd, cwd=REPO, timeout=300, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
     full, first, resumed = (checkpoint.load(tmp_path / f"{name}.h5") for name in ("full", "first", "resumed"))

@@ -23,9 +23,9 @@ TIMEOUT_S = 240
 
 
 def launch(world: int, out: Path, scenario: str) -> list[dict]:
-    """Run `world` ranks of tests.interop_worker; each writes its state to ``out/rank<r>.h5``."""
+    """Run `world` ranks of tests.interop.interop_worker; each writes its state to ``out/rank<r>.h5``."""
     out.mkdir(parents=True, exist_ok=True)
-    run_ranks(world, ["-m", "tests.interop_worker", scenario, "--out", str(out)])
+    run_ranks(world, ["-m", "tests.interop.interop_worker", scenario, "--out", str(out)])
     return [checkpoint.load(out / f"rank{r}.h5") for r in range(world)]
 
 

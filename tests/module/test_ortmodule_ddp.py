@@ -1,6 +1,6 @@
 """``DistributedDataParallel(ORTModule(model))`` over gloo ranks equals one eager process on the whole batch.
 
-The ranks (tests/ortmodule_ddp_worker.py) train with torch's AdamW, ``clip_grad_norm_`` and, on the last
+The ranks (tests/module/ortmodule_ddp_worker.py) train with torch's AdamW, ``clip_grad_norm_`` and, on the last
 step, gradient accumulation over two batches with ``no_sync()`` (the reference: one step on both at once);
 DDP's gradient hooks fire as ORTModule's backward hands the gradients to torch's autograd, and its buckets
 are all-reduced as for any module. The reference here is one eager process on the whole batch (per-rank
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.models import MLP, mlp_batches
-from tests.ortmodule_ddp_worker import BATCH, STEPS
+from tests.module.ortmodule_ddp_worker import BATCH, STEPS
 from tests.ranks import run_ranks
 
 
@@ -39,7 +39,7 @@ def _eager_whole_batch() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _check(world: int, tmp_path) -> None:
     out = tmp_path / "rank0.json"
-    run_ranks(world, ["-m", "tests.ortmodule_ddp_worker", str(out)], timeout_s=300)
+    run_ranks(world, ["-m", "tests.module.ortmodule_ddp_worker", str(out)], timeout_s=300)
     got = json.loads(out.read_text())
     losses, weights = _eager_whole_batch()
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), atol=1e-5, rtol=1e-5)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
-from tests import reference_optim as ref
 from tests.models import (
     CNN,
     CNN_DESC,
@@ -21,6 +20,7 @@ from tests.models import (
     lm_loss,
     mlp_batches,
 )
+from tests.trainer import reference_optim as ref
 
 ce = torch.nn.functional.cross_entropy
 STEPS = 20

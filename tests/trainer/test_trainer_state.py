@@ -30,7 +30,7 @@ def resume_runs(tmp_path_factory):
     """Uninterrupted and split runs in one process, the resumed halves in a second, fresh one."""
     folder = tmp_path_factory.mktemp("resume")
     for phase in ("first", "resume"):
-        cmd = [sys.executable, "-m", "tests.resume_worker", phase, str(folder)]
+        cmd = [sys.executable, "-m", "tests.trainer.resume_worker", phase, str(folder)]
         done = subprocess.run(cmd, cwd=REPO, timeout=300, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
     return folder
