@@ -43,13 +43,20 @@ class LRScheduler:
         """Learning rate for `train_step_info.optimization_step`."""
         raise NotImplementedError
 
+    def step(self, train_step_info: Any) -> list[float]:
+        """Compute, remember and return ``[lr]`` for this step: the trainer calls it before each step.
+
+        The override point is :meth:`get_lr`; this calls ``_step`` (the legacy name, kept for subclasses
+        written against ONNX Runtime's legacy scheduler that override it)."""
+        return self._step(train_step_info)
+
     def _step(self, train_step_info: Any) -> list[float]:
-        """Compute, remember and return ``[lr]`` for this step (the trainer calls it before each step)."""
+        """Compute, remember and return ``[lr]`` for this step (see :meth:`step`)."""
         self._last_lr = [float(self.get_lr(train_step_info))]
         return list(self._last_lr)
 
     def get_last_lr(self) -> list[float]:
-        """``[lr]`` of the last `_step` (empty before the first)."""
+        """``[lr]`` of the last `step` (empty before the first)."""
         return list(self._last_lr)
 
     def _hyper_parameters(self) -> dict[str, Any]:

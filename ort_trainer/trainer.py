@@ -17,15 +17,22 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.io import SaveHandle
-from ort_trainer.engine import TrainerState, build_engine, choose_engine
-from ort_trainer.engine._autograd_build import check_autograd_supported
-from ort_trainer.engine._build import BuildRequest, Engine, session_options_for
-from ort_trainer.engine._distributed import DistributedContext
-from ort_trainer.engine._random import agreed_run_seed
-from ort_trainer.engine._session import resolve_device
-from ort_trainer.engine._step import eval_step, train_step
-from ort_trainer.engine._store import build_store
-from ort_trainer.graph._forward import bind_forward_inputs, model_input_names
+from ort_trainer.engine import (
+    BuildRequest,
+    DistributedContext,
+    Engine,
+    TrainerState,
+    agreed_run_seed,
+    build_engine,
+    build_store,
+    check_autograd_supported,
+    choose_engine,
+    eval_step,
+    resolve_device,
+    session_options_for,
+    train_step,
+)
+from ort_trainer.graph import bind_forward_inputs, model_input_names
 from ort_trainer.optim.config import OptimizerConfig
 from ort_trainer.parallel import HorizontalParallel
 
@@ -34,7 +41,7 @@ from ._state import StateDictOptions, load_trainer_checkpoint, save_trainer_chec
 from .config.model_desc import ModelDescription, check_inputs, validate_model_desc
 from .config.options import ORTTrainerOptions
 from .diagnosis import check_input_tensors, check_onnx_io
-from .graph._names import outer_module
+from .graph import outer_module
 from .train_step_info import TrainStepInfo
 
 __all__ = ["ORTTrainer"]

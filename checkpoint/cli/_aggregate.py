@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from ..sets._aggregate import aggregate_to_file
+from ..sets import aggregate_to_file
 from ._common import EXIT_OK, check_output
 from ._remote import path_or_url
 

@@ -17,10 +17,10 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
-from ..format._h5_reader import DatasetInfo
-from ..format._lazy_torch import is_tensor, is_torch_dtype, torch
+from ..format import DatasetInfo
 from ..format.files import fsync_path, publish
-from ..sets._manifest import is_manifest
+from ..format.lazy_torch import is_tensor, is_torch_dtype, torch
+from ..sets import is_manifest
 
 __all__ = [
     "EXIT_ERROR",

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointFormatError
+from ..format import open_checkpoint, save
 from ..format import schema as S
-from ..format._h5_reader import open_checkpoint
-from ..format._h5_writer import save
-from ..format._lazy_torch import torch
+from ..format.lazy_torch import torch
 from ..format.schema import TrainerOptionsRecord
-from ..sets._aggregate import aggregate_checkpoints
+from ..sets import aggregate_checkpoints
 from ._common import EXIT_OK, InputKind, check_output, input_kind, output_kind, write_atomically
 from ._remote import path_or_url
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..format._h5_reader import DatasetInfo, open_checkpoint
-from ..format._lazy_torch import is_tensor, torch
-from ..sets._aggregate import aggregate_checkpoints
+from ..format import DatasetInfo, open_checkpoint
+from ..format.lazy_torch import is_tensor, torch
+from ..sets import aggregate_checkpoints
 from ._common import EXIT_FOUND, EXIT_OK, InputKind, dtype_name, input_kind, key_str
 from ._convert import flatten, read_state_dict
 from ._remote import path_or_url

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointFormatError
+from ..format import CheckpointReader, DatasetInfo, open_checkpoint
 from ..format import schema as S
-from ..format._h5_reader import CheckpointReader, DatasetInfo, open_checkpoint
 from ..format.schema import PartitionInfo
-from ..sets._manifest import read_manifest
+from ..sets import read_manifest
 from ._common import EXIT_OK, OUR_KINDS, PROG, input_kind, jsonable, key_str, value_nbytes
 from ._remote import path_or_url
 

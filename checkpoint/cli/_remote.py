@@ -15,8 +15,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..io._location import LocalLocation, RemoteLocation, is_url, resolve
-from ..io._transfer import local_inputs, spool_folder
+from ..io import LocalLocation, RemoteLocation, is_url, local_inputs, resolve, spool_folder
 from ._common import EXIT_OK
 
 __all__ = ["localized", "path_or_url", "publish_outputs", "run"]

@@ -19,13 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..format import CheckpointReader, open_checkpoint
 from ..format import schema as S
-from ..format._h5_reader import CheckpointReader, open_checkpoint
 from ..format.schema import TrainerOptionsRecord
-from ..sets._aggregate import _FileSource
-from ..sets._manifest import Manifest, check_manifest, is_manifest, read_manifest
-from ..sets._partition import plan_aggregation
-from ..sets._rankset import read_rank_set
+from ..sets import FileSource, Manifest, check_manifest, is_manifest, plan_aggregation, read_manifest, read_rank_set
 from ._common import EXIT_ERROR, EXIT_FOUND, EXIT_OK, OUR_KINDS, PROG, input_kind, key_str
 from ._remote import path_or_url
 
@@ -159,7 +156,7 @@ def _verify_set(
     names = [r.path.name for r in readers]
     labels = names if len(set(names)) == len(names) else [str(r.path) for r in readers]
     where = f"rank set of {manifest.path}" if manifest else f"rank set [{', '.join(labels)}]"
-    sources = [_FileSource(r, label) for r, label in zip(readers, labels, strict=True)]
+    sources = [FileSource(r, label) for r, label in zip(readers, labels, strict=True)]
     try:
         rank_set = read_rank_set(sources)
         plan_aggregation(rank_set)

@@ -16,21 +16,23 @@
 """
 
 from . import schema
+from ._codec import numpy_dtype_name
 from ._h5_reader import CheckpointReader, DatasetInfo, load, open_checkpoint
-from ._h5_writer import cleanup_temp_files, save
+from ._h5_stream import save_stream
+from ._h5_writer import cleanup_temp_files, save, save_to_checked_target
 from ._storage import CheckpointStorage, HDF5Storage, InMemoryStorage
 from ._user_dict import decode_user_dict, decode_user_value, encode_user_dict, encode_user_value
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEGACY_FORMAT_VERSION, PartitionInfo, TrainerOptionsRecord
 
 __all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "LEGACY_FORMAT_VERSION",
     "CheckpointReader",
     "CheckpointStorage",
     "DatasetInfo",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
     "HDF5Storage",
     "InMemoryStorage",
+    "LEGACY_FORMAT_VERSION",
     "PartitionInfo",
     "TrainerOptionsRecord",
     "cleanup_temp_files",
@@ -39,7 +41,10 @@ __all__ = [
     "encode_user_dict",
     "encode_user_value",
     "load",
+    "numpy_dtype_name",
     "open_checkpoint",
     "save",
+    "save_stream",
+    "save_to_checked_target",
     "schema",
 ]

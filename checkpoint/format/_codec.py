@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 
 from . import schema as S
-from ._lazy_torch import is_tensor, torch
+from .lazy_torch import is_tensor, torch
 
 __all__ = [
     "BITS_DTYPE_NAMES",

@@ -30,7 +30,7 @@ from ._checksum import for_version, streamed_checksum
 from ._codec import BITS_DTYPE_NAMES, bits_dtype_names, decode_python_value, numpy_dtype_name
 from ._h5_index import Node, h5_guard, load_attrs, scan_file, tree_digest
 from ._h5_open import open_h5
-from ._lazy_torch import is_torch_dtype, torch
+from .lazy_torch import is_torch_dtype, torch
 
 __all__ = ["CheckpointReader", "DatasetInfo", "Key", "load", "open_checkpoint", "split_key"]
 

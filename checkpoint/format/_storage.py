@@ -15,7 +15,7 @@ from . import schema as S
 from ._codec import decode_python_value, encode_leaf, leaf_array
 from ._h5_reader import Key, load, split_key
 from ._h5_writer import plan_tree, save
-from ._lazy_torch import torch
+from .lazy_torch import torch
 
 __all__ = ["CheckpointStorage", "HDF5Storage", "InMemoryStorage"]
 

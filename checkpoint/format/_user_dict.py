@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CheckpointFormatError, CheckpointPickleError
 from . import schema as S
 from ._codec import encode_leaf
-from ._lazy_torch import is_tensor, torch
+from .lazy_torch import is_tensor, torch
 
 __all__ = ["decode_user_dict", "decode_user_value", "encode_user_dict", "encode_user_value"]
 

@@ -1,7 +1,7 @@
 """``torch``, imported on first use: the checkpoint tool's read-only commands never load it.
 
 ``inspect``, ``verify`` and ``diff`` of our files work on numpy and h5py alone, so they start in a
-fraction of torch's import time. Modules of this package write ``from ..format._lazy_torch import torch``
+fraction of torch's import time. Modules of this package write ``from ..format.lazy_torch import torch``
 and use ``torch.X`` as usual: the first attribute access imports torch. :func:`loaded` says whether
 anything imported torch yet: a value cannot be a tensor before that (``is_tensor`` checks no further).
 """

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._lazy_torch import is_tensor
+from .lazy_torch import is_tensor
 
 __all__ = [
     "FORMAT_NAME",

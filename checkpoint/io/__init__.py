@@ -16,8 +16,17 @@ Imports go one way: ``io`` uses ``sets`` (manifests) and ``format`` (the file wr
 from ._async import AsyncWriter, SaveHandle
 from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve
 from ._scheduler import CheckpointIO, write_checkpoint
+from ._set_writer import remove_set
 from ._snapshot import HostSnapshot
-from ._transfer import FileRecord, local_inputs, make_parent_folder, save_tree, write_file
+from ._transfer import (
+    FileRecord,
+    local_inputs,
+    make_parent_folder,
+    read_manifest_at,
+    save_tree,
+    spool_folder,
+    write_file,
+)
 
 __all__ = [
     "AsyncWriter",
@@ -31,8 +40,11 @@ __all__ = [
     "is_url",
     "local_inputs",
     "make_parent_folder",
+    "read_manifest_at",
+    "remove_set",
     "resolve",
     "save_tree",
+    "spool_folder",
     "write_checkpoint",
     "write_file",
 ]

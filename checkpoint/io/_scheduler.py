@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..format._h5_writer import save_to_checked_target
+from ..format import save_to_checked_target
 from ..format.files import check_target
 from ._async import AsyncWriter, SaveHandle
 from ._location import LocalLocation, Location

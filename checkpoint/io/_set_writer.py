@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format import schema as S
-from ..sets._manifest import Manifest, ManifestEntry, manifest_bytes, rank_file_name, split_suffix
+from ..sets import Manifest, ManifestEntry, manifest_bytes, rank_file_name, split_suffix
 from ._location import Location
 from ._transfer import FileRecord, make_parent_folder, read_manifest_at, write_file
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format._lazy_torch import torch
+from ..format.lazy_torch import torch
 
 __all__ = ["HostSnapshot"]
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..format._h5_writer import save
-from ..sets._manifest import Manifest, file_crc32, read_manifest
+from ..format import save
+from ..sets import Manifest, file_crc32, read_manifest
 from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve, storage_errors
 from ._stale import remove_stale_spools, spool_prefix
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..format import schema as S
-from ..io._location import Location
+from ..io import Location
 
 __all__ = ["INDEX_NAME", "MAX_STEP", "IndexEntry", "checkpoint_name", "read_index", "scan", "write_index"]
 

@@ -28,13 +28,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..io._async import SaveHandle
-from ..io._location import LocalLocation, Location, resolve
-from ..io._scheduler import CheckpointIO
-from ..io._set_writer import remove_set
-from ..io._transfer import read_manifest_at
+from ..io import CheckpointIO, LocalLocation, Location, SaveHandle, read_manifest_at, remove_set, resolve
 from ..objects import ObjectsCheckpointable
-from ..sets._manifest import check_manifest
+from ..sets import check_manifest
 from ._index import INDEX_NAME, MAX_STEP, IndexEntry, checkpoint_name, read_index, scan, write_index
 from ._policy import RetentionPolicy, check_metrics
 

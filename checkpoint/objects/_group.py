@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..format._lazy_torch import torch
+from ..format.lazy_torch import torch
 
 __all__ = ["ProcessGroup", "current_group"]
 

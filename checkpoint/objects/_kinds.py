@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ..format import schema as S
-from ..format._lazy_torch import torch
+from ..format.lazy_torch import torch
 
 __all__ = ["Entry", "check_state", "type_name", "unwrap"]
 

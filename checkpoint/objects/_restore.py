@@ -19,10 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointFormatError
+from ..format import decode_user_dict, decode_user_value, open_checkpoint
 from ..format import schema as S
-from ..format._h5_reader import open_checkpoint
-from ..format._lazy_torch import is_tensor
-from ..format._user_dict import decode_user_dict, decode_user_value
+from ..format.lazy_torch import is_tensor
 from ..sets import aggregate_checkpoints, is_manifest, own_rank_section
 from ._group import ProcessGroup
 from ._kinds import MODULE, OBJECT, OPTIMIZER, SHARDED, Entry

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointWriteError
+from ..format import encode_user_dict, encode_user_value
 from ..format import schema as S
-from ..format._user_dict import encode_user_dict, encode_user_value
 from ..format.schema import TrainerOptionsRecord
 from ..io import CheckpointIO, Location, SaveHandle, write_checkpoint
 from ._group import ProcessGroup

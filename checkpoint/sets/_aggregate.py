@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from ..format._h5_reader import CheckpointReader, open_checkpoint
-from ..format._h5_stream import save_stream
-from ..format._lazy_torch import torch
+from ..format import CheckpointReader, open_checkpoint, save_stream
+from ..format.lazy_torch import torch
 from ..format.schema import MANIFEST_SUFFIX
 from ._assemble import assemble, build_tree, leaf_count
 from ._manifest import Manifest, check_manifest, is_manifest
@@ -58,7 +57,7 @@ def aggregate_states(states: Sequence[Mapping[str, Any]], *, pytorch_format: boo
     return build_tree(assemble(plan, pytorch_format=pytorch_format))
 
 
-class _FileSource:
+class FileSource:
     """A rank state in an open checkpoint file (reads only what is asked for)."""
 
     def __init__(self, reader: CheckpointReader, label: str) -> None:
@@ -103,7 +102,7 @@ def _open_set(paths: PathLike | Sequence[PathLike]) -> Iterator[Plan]:
         names = [p.name for p in files]
         labels = names if len(set(names)) == len(names) else [str(p) for p in files]
         sources: list[RankSource] = [
-            _FileSource(stack.enter_context(open_checkpoint(p)), label) for p, label in zip(files, labels, strict=True)
+            FileSource(stack.enter_context(open_checkpoint(p)), label) for p, label in zip(files, labels, strict=True)
         ]
         rank_set = read_rank_set(sources)
         if manifest is not None and manifest.run_id != rank_set.run_id:

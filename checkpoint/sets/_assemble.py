@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..format import schema as S
-from ..format._lazy_torch import torch
+from ..format.lazy_torch import torch
 from ._partition import ConstItem, Copies, Item, Key, Pieces, Plan, RankItem, TensorItem, ValueItem, _fmt
 from ._rankset import AggregationError
 

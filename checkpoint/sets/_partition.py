@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..format import DatasetInfo
 from ..format import schema as S
-from ..format._h5_reader import DatasetInfo
-from ..format._lazy_torch import torch
+from ..format.lazy_torch import torch
 from ..format.schema import PartitionInfo
 from ._per_rank import per_rank_entries, sections_that_differ
 from ._rankset import AggregationError, RankSet, RankSource

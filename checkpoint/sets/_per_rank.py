@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..format import schema as S
-from ..format._lazy_torch import is_tensor, torch
+from ..format.lazy_torch import is_tensor, torch
 
 __all__ = ["own_rank_section", "per_rank_entries", "sections_that_differ"]
 

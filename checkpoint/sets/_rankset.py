@@ -17,10 +17,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import CheckpointError
+from ..format import DatasetInfo, numpy_dtype_name
 from ..format import schema as S
-from ..format._codec import numpy_dtype_name
-from ..format._h5_reader import DatasetInfo
-from ..format._lazy_torch import is_tensor, torch
+from ..format.lazy_torch import is_tensor, torch
 from ..format.schema import TrainerOptionsRecord
 
 __all__ = ["AggregationError", "RankMeta", "RankSet", "RankSource", "StateSource", "read_rank_set"]

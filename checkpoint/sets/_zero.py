@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..format import schema as S
-from ..format._lazy_torch import torch
+from ..format.lazy_torch import torch
 from ..format.schema import PartitionInfo, TrainerOptionsRecord
 
 __all__ = ["ZeroPiece", "fresh", "full_state_options", "reshard_state", "split_zero", "zero_pieces"]

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..format import schema as S
-from ..format._lazy_torch import torch
+from ..format.lazy_torch import torch
 from ..format.schema import PartitionInfo, TrainerOptionsRecord
 from ._zero import fresh, full_state_options, split_zero
 

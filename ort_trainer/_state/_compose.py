@@ -16,7 +16,7 @@ from ort_trainer.checkpoint.format import encode_user_value
 from ort_trainer.checkpoint.format import schema as S
 from ort_trainer.engine import TrainerState
 
-from ..graph._names import canonical_name
+from ..graph import canonical_name
 from . import _ranks
 from ._options import StateDictOptions, resolve_options
 

@@ -18,11 +18,10 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ort_trainer.checkpoint.format import decode_user_value, encode_user_value
 from ort_trainer.checkpoint.format import schema as S
-from ort_trainer.engine import TrainerState
-from ort_trainer.engine._rank_check import note_load
+from ort_trainer.engine import TrainerState, note_load
 from ort_trainer.optim import state as optim_state
 
-from ..graph._names import KeyMatcher
+from ..graph import KeyMatcher
 from . import _ranks
 from ._options import StateDictOptions, resolve_options
 

@@ -11,11 +11,10 @@ import torch
 from onnx import numpy_helper
 
 from ort_trainer.engine import TrainerState
-from ort_trainer.graph._no_gradient import unseal_no_gradient_copies
-from ort_trainer.graph._weightless import with_values
+from ort_trainer.graph import unseal_no_gradient_copies, with_values
 
 if TYPE_CHECKING:
-    from ort_trainer.engine._build import Engine
+    from ort_trainer.engine import Engine
 
 __all__ = ["check_model_export", "eval_model_with_weights"]
 
@@ -39,9 +38,9 @@ def check_model_export(trainer: TrainerState, inputs: Sequence[torch.Tensor]) ->
     """Compare the torch module's eval-mode outputs with the exported eval graph (rtol 1e-2, atol 1e-6)."""
     if not isinstance(trainer.model, torch.nn.Module):
         return
-    from ort_trainer.graph._forward import eval_outputs
+    from ort_trainer.graph import eval_outputs
 
-    from ..graph._names import outer_module
+    from ..graph import outer_module
 
     desc = trainer.model_desc
     expected = eval_outputs(outer_module(trainer.model), trainer.loss_fn, desc, inputs)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ort_trainer.checkpoint.format import schema as S
-from ort_trainer.engine._store import ParamStore
+from ort_trainer.engine import ParamStore
 
 __all__ = ["broadcast_from_rank0", "full_optimizer_state"]
 

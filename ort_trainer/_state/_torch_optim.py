@@ -18,7 +18,7 @@ from ort_trainer.checkpoint.format import schema as S
 from ort_trainer.engine import TrainerState
 from ort_trainer.optim.torch_format import check_torch_expressible, from_torch_state, to_torch_state
 
-from ..graph._names import KeyMatcher, canonical_name
+from ..graph import KeyMatcher, canonical_name
 from . import _ranks
 from ._load import load_trainer_state_dict
 from ._options import StateDictOptions, resolve_options

@@ -19,27 +19,41 @@
 
 from __future__ import annotations
 
-from ._build import BuildRequest, Engine
-from ._distributed import DistributedContext
+from ._autograd_build import check_autograd_supported
+from ._build import BuildRequest, Engine, session_options_for
+from ._distributed import DistributedContext, buckets
+from ._fork_safety import track
 from ._protocols import GraphSource, ModelParallel
+from ._random import agreed_run_seed
+from ._rank_check import note_load
 from ._session import DeviceSpec, resolve_device, to_ortvalue
 from ._sources import ENGINES, build_engine, choose_engine, onnxblock_available
-from ._store import ParamStore
+from ._step import eval_step, train_step
+from ._store import ParamStore, build_store
 from ._trainer_state import TrainerState
 
 __all__ = [
-    "ENGINES",
     "BuildRequest",
     "DeviceSpec",
     "DistributedContext",
+    "ENGINES",
     "Engine",
     "GraphSource",
     "ModelParallel",
     "ParamStore",
     "TrainerState",
+    "agreed_run_seed",
+    "buckets",
     "build_engine",
+    "build_store",
+    "check_autograd_supported",
     "choose_engine",
+    "eval_step",
+    "note_load",
     "onnxblock_available",
     "resolve_device",
+    "session_options_for",
     "to_ortvalue",
+    "track",
+    "train_step",
 ]

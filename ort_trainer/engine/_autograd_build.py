@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import onnx
 import torch
 
-from ort_trainer.graph._trace_errors import explain_trace_failure
+from ort_trainer.graph import explain_trace_failure
 from ort_trainer.graph.autograd import (
     GraphCache,
     TracedGraph,

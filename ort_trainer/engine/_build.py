@@ -23,15 +23,25 @@ import torch
 
 from ort_trainer.config.model_desc import ModelDescription
 from ort_trainer.config.options import ORTTrainerOptions
-from ort_trainer.diagnosis._input_checks import LabelSpec, find_label_inputs
-from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
-from ort_trainer.graph._export import export_torch_model, onnx_model_parameters
-from ort_trainer.graph._fp16_support import model_op_types, provider_fp16_support
-from ort_trainer.graph._gradient_fixes import expand_where_inputs
-from ort_trainer.graph._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
-from ort_trainer.graph._passes import BatchNormStats, add_optional_outputs, surface_batchnorm_statistics
-from ort_trainer.graph._scaled_sum import unfuse_scaled_sum
-from ort_trainer.graph._weightless import copy_without_data, strip_data, with_values
+from ort_trainer.diagnosis import LabelSpec, find_label_inputs
+from ort_trainer.graph import (
+    BatchNormStats,
+    add_optional_outputs,
+    apply_forward_rewrites,
+    apply_training_rewrites,
+    convert_to_mixed_precision,
+    copy_without_data,
+    expand_where_inputs,
+    export_torch_model,
+    model_op_types,
+    onnx_model_parameters,
+    provider_fp16_support,
+    strip_data,
+    strip_loss_scaling,
+    surface_batchnorm_statistics,
+    unfuse_scaled_sum,
+    with_values,
+)
 
 from ._memory import release_freed_memory
 from ._progress import BuildProgress

@@ -18,7 +18,7 @@ import atexit
 import os
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -51,18 +51,18 @@ class DistributedContext:
                 _OwnedGroup.destroy()
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
-        for bucket in _buckets(tensor):
+        for bucket in buckets(tensor):
             dist.broadcast(bucket, src)
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """Sum over ranks, in place, bucket by bucket (one collective per 32 MB)."""
-        for bucket in _buckets(tensor):
+        for bucket in buckets(tensor):
             dist.all_reduce(bucket, op=dist.ReduceOp.SUM)
 
     def reduce_to_owners_(self, tensor: torch.Tensor, chunk: int) -> None:
         """Sum chunk ``r`` of ``tensor`` onto rank ``r`` only (stage-2 reduce-scatter)."""
         for owner in range(self.world_size):
-            for bucket in _buckets(tensor[owner * chunk : (owner + 1) * chunk]):
+            for bucket in buckets(tensor[owner * chunk : (owner + 1) * chunk]):
                 dist.reduce(bucket, dst=owner, op=dist.ReduceOp.SUM)
 
     def all_gather_chunks_(self, tensor: torch.Tensor, chunk: int) -> None:
@@ -145,7 +145,8 @@ class _OwnedGroup:
             cls.destroy()
 
 
-def _buckets(tensor: torch.Tensor):
+def buckets(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views of ``tensor`` (flattened) of at most 32 MB each: the pieces one collective sends at a time."""
     flat = tensor.view(-1)
     for start in range(0, flat.numel(), _BUCKET_NUMEL):
         yield flat[start : start + _BUCKET_NUMEL]

@@ -11,8 +11,7 @@ import onnx
 from onnxruntime.training import onnxblock
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
-from ort_trainer.graph._weightless import shells_to_inputs
+from ort_trainer.graph import forget_unnamed_dims, shells_to_inputs
 
 __all__ = ["build_training_graphs"]
 

@@ -20,7 +20,7 @@ from onnxruntime.capi import _pybind_state as _C
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph._passes import BatchNormStats, strip_batchnorm_statistics
+from ort_trainer.graph import BatchNormStats, strip_batchnorm_statistics
 
 from ._fork_safety import track
 from ._memory import release_freed_memory

@@ -86,7 +86,7 @@ def _current_lr(state: TrainerState) -> float:
     scheduler = state.options.lr_scheduler
     if scheduler is None:
         return float(state.optim_config.lr)
-    return float(scheduler._step(state.train_step_info)[0])
+    return float(scheduler.step(state.train_step_info)[0])
 
 
 def _update(state: TrainerState, engine: Engine, lr: float, accumulation: int, scaler=None) -> bool:

@@ -21,7 +21,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from ort_trainer.graph._names import KeyMatcher, canonical_name
+from ort_trainer.graph import KeyMatcher, canonical_name
 from ort_trainer.optim import FlatLayout, FlatOptimizer
 
 from ._bindings import BindingGuard, link_module
@@ -75,7 +75,7 @@ def model_state(model: torch.nn.Module | onnx.ModelProto) -> ModelState:
 
 
 def _onnx_state(model: onnx.ModelProto) -> ModelState:
-    from ort_trainer.graph._export import onnx_model_parameters
+    from ort_trainer.graph import onnx_model_parameters
 
     names = onnx_model_parameters(model)
     wanted = set(names)

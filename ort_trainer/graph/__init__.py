@@ -14,6 +14,45 @@
 
 from __future__ import annotations
 
+from ._export import export_torch_model, onnx_model_parameters
+from ._forward import bind_forward_inputs, eval_outputs, model_input_names
+from ._fp16_support import model_op_types, provider_fp16_support
+from ._gradient_fixes import expand_where_inputs, forget_unnamed_dims
+from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
+from ._names import KeyMatcher, canonical_name, outer_module
+from ._no_gradient import unseal_no_gradient_copies
+from ._passes import BatchNormStats, add_optional_outputs, strip_batchnorm_statistics, surface_batchnorm_statistics
+from ._scaled_sum import unfuse_scaled_sum
+from ._trace_errors import explain_trace_failure
+from ._weightless import copy_without_data, shells_to_inputs, strip_data, with_values
 from .rewrites import apply_forward_rewrites, apply_training_rewrites
 
-__all__ = ["apply_forward_rewrites", "apply_training_rewrites"]
+__all__ = [
+    "BatchNormStats",
+    "KeyMatcher",
+    "add_optional_outputs",
+    "apply_forward_rewrites",
+    "apply_training_rewrites",
+    "bind_forward_inputs",
+    "canonical_name",
+    "convert_to_mixed_precision",
+    "copy_without_data",
+    "eval_outputs",
+    "expand_where_inputs",
+    "explain_trace_failure",
+    "export_torch_model",
+    "forget_unnamed_dims",
+    "model_input_names",
+    "model_op_types",
+    "onnx_model_parameters",
+    "outer_module",
+    "provider_fp16_support",
+    "shells_to_inputs",
+    "strip_batchnorm_statistics",
+    "strip_data",
+    "strip_loss_scaling",
+    "surface_batchnorm_statistics",
+    "unfuse_scaled_sum",
+    "unseal_no_gradient_copies",
+    "with_values",
+]

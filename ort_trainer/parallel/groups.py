@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ort_trainer.engine._distributed import DistributedContext, _buckets
+from ort_trainer.engine import DistributedContext, buckets
 
 __all__ = ["DataParallelView", "Grid"]
 
@@ -47,16 +47,16 @@ class DataParallelView(DistributedContext):
         self._holds_group = False
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
-        for bucket in _buckets(tensor):
+        for bucket in buckets(tensor):
             dist.broadcast(bucket, self._ranks[src], group=self.group)
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
-        for bucket in _buckets(tensor):
+        for bucket in buckets(tensor):
             dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.group)
 
     def reduce_to_owners_(self, tensor: torch.Tensor, chunk: int) -> None:
         for owner in range(self.world_size):
-            for bucket in _buckets(tensor[owner * chunk : (owner + 1) * chunk]):
+            for bucket in buckets(tensor[owner * chunk : (owner + 1) * chunk]):
                 dist.reduce(bucket, dst=self._ranks[owner], op=dist.ReduceOp.SUM, group=self.group)
 
     def all_gather_chunks_(self, tensor: torch.Tensor, chunk: int) -> None:

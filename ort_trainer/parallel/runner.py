@@ -19,8 +19,7 @@ import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.engine._fork_safety import track
-from ort_trainer.engine._session import DeviceSpec, to_ortvalue
+from ort_trainer.engine import DeviceSpec, to_ortvalue, track
 
 from .markers import COPY_OP
 from .segments import UPSTREAM_SUFFIX, SegmentedGraph

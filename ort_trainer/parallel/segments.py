@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 from onnxruntime import SessionOptions
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
+from ort_trainer.graph import forget_unnamed_dims
 
 from .markers import COPY_OP, DOMAIN, REDUCE_OP
 

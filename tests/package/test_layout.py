@@ -7,6 +7,7 @@ and do not count. Module names are the installed ones (``ort_trainer.checkpoint.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.paths import REPO
@@ -103,28 +104,100 @@ def _folder_of(module: str) -> str:
     return max((p for p in _ROOTS if module == p or module.startswith(p + ".")), key=len)
 
 
-def test_packages_meet_only_at_public_seams():
-    """No module of one top-level folder imports an underscored module or name of another folder."""
-    crossings = []
-    for name, path in _modules().items():
-        here = _folder_of(name)
-        is_package = path.name == "__init__.py"
+def _room_of(module: str) -> str:
+    """The room a module lives in: the first sub-package of its top-level folder (``ort_trainer.engine``,
+    ``ort_trainer.checkpoint.io``), or the folder itself for its flat modules (``trainer.py``, ``optim/*``)."""
+    folder = _folder_of(module)
+    rest = module[len(folder) :].lstrip(".")
+    first = f"{folder}.{rest.split('.')[0]}" if rest else folder
+    path = _modules().get(first)
+    return first if path is not None and path.name == "__init__.py" else folder
+
+
+def _resolved(name: str, path: Path, node: ast.ImportFrom) -> str:
+    base = node.module or ""
+    if node.level:
+        anchor = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _package_all(module: str) -> set[str] | None:
+    path = _modules()[module]
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return {e.value for e in node.value.elts}
+    return None
+
+
+def _crossings(scope: Callable[[str], str]) -> list[str]:
+    """Imports of an underscored module or name of another ``scope`` (folder or room), and names taken from
+    another room's package that its ``__init__`` does not list in ``__all__``."""
+    modules, found = _modules(), []
+    rooms = {_room_of(m) for m in modules}
+    for name, path in modules.items():
         for node in _imports(ast.parse(path.read_text()), type_checking=True):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".") if is_package else name.split(".")[:-1]
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
-            if not base.startswith("ort_trainer") or _folder_of(base) == here:
+            base = _resolved(name, path, node)
+            if not base.startswith("ort_trainer") or scope(base) == scope(name):
                 continue
-            tail = base[len(_folder_of(base)) :].split(".")
-            private = [p for p in tail if p.startswith("_")]
-            private += [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            tail = base[len(scope(base)) :].split(".")
+            private = [p for p in tail if _private(p)]
+            private += [a.name for a in node.names if _private(a.name) and f"{base}.{a.name}" not in rooms]
             if private:
-                crossings.append(f"{path.relative_to(REPO)}:{node.lineno} imports {base} {private}")
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} imports {base} {private}")
+            elif base in rooms and base == scope(base) and (listed := _package_all(base)) is not None:
+                unlisted = [
+                    a.name
+                    for a in node.names
+                    if a.name not in listed and not a.name.startswith("__") and f"{base}.{a.name}" not in modules
+                ]
+                if unlisted:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} imports {base} {unlisted}: not in __all__")
+    return found
+
+
+def test_packages_meet_only_at_public_seams():
+    """No module of one top-level folder imports an underscored module or name of another folder."""
+    crossings = _crossings(_folder_of)
     assert not crossings, "\n".join(crossings)
+
+
+def test_rooms_import_only_what_another_room_lists():
+    """The house rule (docs/architecture.md): between rooms (``engine/``, ``graph/``, ``checkpoint/io/``...),
+    only what a room's ``__init__`` lists, or a public module of it (``format.schema``), is imported."""
+    crossings = _crossings(_room_of)
+    assert not crossings, "\n".join(crossings)
+
+
+def test_no_private_attribute_of_another_folder_or_room_is_read():
+    """``S._scalar`` through a module imported from another room is the same crossing as importing ``_scalar``."""
+    modules, found = _modules(), []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        foreign = set()  # local names bound to a module of another room
+        for node in _imports(tree, type_checking=True):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolved(name, path, node)
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    if target in modules and _room_of(target) != _room_of(name):
+                        foreign.add(alias.asname or alias.name)
+            else:
+                for alias in node.names:
+                    if alias.name in modules and _room_of(alias.name) != _room_of(name):
+                        foreign.add(alias.asname or alias.name.split(".")[0])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id in foreign and _private(node.attr):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not found, "\n".join(found)
 
 
 def test_config_and_checkpoint_rooms_import_one_way():
