@@ -1,4 +1,4 @@
-"""Mixed-precision helpers: loss scalers that keep fp16 gradients from underflowing."""
+"""Mixed-precision helpers: loss scalers that keep fp16 gradients from underflowing (``loss_scaler``)."""
 
 from .loss_scaler import DynamicLossScaler, LossScaler
 

@@ -3,6 +3,10 @@
 `AdamConfig`, `LambConfig` and `SGDConfig` say what to optimize with (legacy ORTTrainer names and
 defaults, parameter groups); `FlatOptimizer` runs that rule in place over the trainer's flat
 parameter buffer described by a `FlatLayout`; `lr_scheduler` holds the warmup LR schedules.
+
+Modules: ``config`` (the configs), ``_flat_optimizer`` (``FlatOptimizer``) over ``_updates`` (the update rules on
+slices), ``layout`` (``FlatLayout``), ``lr_scheduler``, ``state`` (legacy optimizer-state records and step
+counters), ``torch_format`` (torch's optimizer format, both ways).
 """
 
 from . import lr_scheduler

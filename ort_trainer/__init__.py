@@ -8,6 +8,12 @@ folders (mapped by ``package_dir`` in ``setup.py``; found by ``_package.source_t
 source checkout). The names below are imported on first use, so ``import ort_trainer`` alone does not
 load torch or ONNX Runtime (the checkpoint command line starts in a fraction of torch's import time).
 Logs go to the ``ort_trainer`` logger (see ``docs/logging.md``).
+
+Rooms (docs/architecture.md has the floor plan): ``trainer`` (``ORTTrainer``, the facade),
+``train_step_info`` (``TrainStepInfo``), ``config`` (options, model description), ``graph`` (torch module ->
+training graph), ``diagnosis`` (failures in the user's terms), ``engine`` (running the graphs, ``TrainerState``),
+``_state`` (state dicts and checkpoints in and out), ``parallel`` (Megatron), ``module`` (``ORTModule``, the
+torch.compile backend), ``hf`` (the Hugging Face ``Trainer``), ``_package`` (import-time setup).
 """
 
 from __future__ import annotations

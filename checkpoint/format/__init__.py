@@ -12,6 +12,11 @@
   publish, disk-full errors, and the removal of stale temporary files;
 - ``_h5_reader``: validated, checksummed reading (whole tree, one key, or straight into a buffer);
 - ``_user_dict``: the pickle-free encoding of ``user_dict``;
+- ``_h5_open``: opening for reading while other processes save over the file and prune it;
+- ``_fork_guard``: a process forked during a save never writes into the file that save publishes;
+- ``lazy_torch``: ``torch`` imported on first use (the read-only CLI commands never load it); public for the
+  rooms above;
+- ``files``: the file rules every writer follows (temporary names, the pid check, fsync, publish, target check);
 - ``_storage``: the small storage interface the trainer talks to (HDF5 and in-memory).
 """
 

@@ -7,6 +7,7 @@ Imports go one way: ``io`` uses ``sets`` (manifests) and ``format`` (the file wr
 - ``_transfer``: save a tree to a location (remote ones through a local spool file), and local copies of
   remote files for the readers;
 - ``_snapshot``: the reusable host copy of a state that an asynchronous save writes from;
+- ``_stale``: leftovers of killed remote saves (spool folders, temporary objects), removed by later saves;
 - ``_async``: the background writer (one save at a time, errors kept for the next call) and ``SaveHandle``;
 - ``_set_writer``: a distributed save (agree on the target, every rank writes its file, rank 0 the manifest);
 - ``_scheduler``: the trainer's save scheduler, ``CheckpointIO`` (now or in the background, one file or one

@@ -4,6 +4,7 @@
 - ``_rankset``: one rank's state as a source (file or memory) and the whole-set consistency check;
 - ``_partition`` / ``_assemble``: plan the full state from metadata, then read it tensor by tensor;
 - ``_aggregate``: the public aggregation functions (in memory, or streamed to a file);
+- ``_per_rank``: the sections each rank saves for itself (``user_dict``, ``stateful``), kept per rank;
 - ``_zero`` / ``megatron``: split a full state by the ZeRO flat-buffer layout / by Megatron slices.
 """
 

@@ -1,5 +1,6 @@
 """What ``import ort_trainer`` does before anything else: find the subpackages in a source checkout
-(``source_tree``) and apply ``ORT_TRAINER_LOG_LEVEL`` (``logging_env``)."""
+(``source_tree``) and apply ``ORT_TRAINER_LOG_LEVEL`` (``logging_env``); ``runtimes`` says which ONNX Runtime
+package is installed (stock or onnxruntime-training), for ``python -m ort_trainer`` and the engine choice."""
 
 from .logging_env import ENV_VAR, LOGGER_NAME, configure_from_env
 from .source_tree import SUBPACKAGES, install

@@ -12,6 +12,9 @@
   onnxruntime): its build, and its session over the same buffers;
 * ``_distributed``: ``DistributedContext``, the process group, ZeRO partitions and teardown;
 * ``_memory``: returning the build's freed scratch to the OS;
+* ``_progress``: each build phase logged with its duration (a tqdm bar on a terminal);
+* ``_random``: Dropout's random state as a function of (run seed, rank, step);
+* ``_fork_safety``: a process forked from a trainer exits without hanging in ORT's thread pool;
 * ``_trainer_state``: ``TrainerState``, the one object a trainer's parts live in;
 * ``_step``: one train/eval step, the distributed update (reduce, ZeRO, clipping, loss-scale skips);
 * ``_rank_check``: the per-step check that every rank holds the same state.

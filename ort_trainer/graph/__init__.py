@@ -1,13 +1,20 @@
 """The ONNX graphs of a training run: from a torch module to the graph ONNX Runtime trains.
 
 * ``_export``: TorchScript export of the module (with the loss) and the ONNX-name <-> torch-name map;
-  ``_forward`` binds ``model_desc`` inputs to ``forward()`` by name for the export.
+  ``_forward`` binds ``model_desc`` inputs to ``forward()`` by name for the export; ``_names``: canonical
+  parameter names (without the prefixes of DDP, ``torch.compile``, activation checkpointing);
+* ``_weightless``: graphs without weights (model state travels through the build as shapes only);
+* ``_symbolics`` / ``_ctc``: exporter symbolics for aten ops torch cannot export (``ctc_loss`` unrolled);
+  ``_unsupported``: clear errors for unexportable ops with a known way out; ``_trace_errors``: why tracing the
+  first step failed, in the user's words;
+* ``_scaled_sum``: ``ScaledSum`` (CUDA/ROCm-only) back into ``Mul`` + ``Add`` for CPU sessions;
 * ``_passes``: small passes the gradient builder needs (optional outputs, BatchNorm statistics).
 * ``_gradient_fixes``: work-arounds for ONNX Runtime gradient-builder bugs that gave wrong gradients.
 * ``_embedding``, ``_no_gradient``, ``_label_smoothing``: the backward torch would run where the exported
   forward alone does not say it (padding rows, ``detach``/``no_grad``, label smoothing), or a clear refusal.
 * ``_mixed_precision`` / ``_fp16_support``: the fp16/bf16 graph and which ops a provider runs in it.
 * ``rewrites``: CPU speed rewrites that keep the math (each tested against PyTorch's gradients).
+* ``autograd``: the autograd engine's graphs: PyTorch's own forward/backward exported for stock onnxruntime.
 
 ``ort_trainer.engine`` assembles these into sessions; nothing here runs a session for training.
 """

@@ -2,6 +2,10 @@
 
 Needs the ``hf`` extra (``pip install "ort_trainer[hf]"``: transformers and accelerate); importing
 ``ort_trainer`` itself never imports transformers. See docs/hf.md.
+
+``trainer``: the ``Trainer``; ``_arguments``: which ``TrainingArguments`` are honoured and the options they become;
+``_loss_module``: what ORTTrainer exports (``compute_loss`` around the model); ``_optimizer``: the optimizer as
+HF sees it; ``_files``: our files inside HF's ``checkpoint-N`` folders and the RNG state, without pickle.
 """
 
 from .trainer import Trainer

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ort_trainer import ORTTrainer, checkpoint, optim
-from tests.checkpoint.test_checkpoint_set_writer import save as save_on_thread_ranks
+from tests.checkpoint.thread_ranks import save as save_on_thread_ranks
 from tests.models import MLP, MLP_DESC, mlp_batches
 from tests.ranks import run_ranks
 

@@ -7,6 +7,7 @@ and do not count. Module names are the installed ones (``ort_trainer.checkpoint.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -289,3 +290,19 @@ def test_the_module_room_uses_only_the_public_names_of_graph_and_engine():
     assert not crossings, "\n".join(crossings)
     nobody = [n for n, edges in _import_graph(type_checking=True).items() if "ort_trainer.module" in edges]
     assert nobody == ["ort_trainer"], nobody  # only the package's lazy `ORTModule` name reaches it
+
+
+def test_every_module_of_a_room_is_named_in_its_init_docstring():
+    """A room's ``__init__`` docstring is its door sign: a newcomer finds every module of it there."""
+    unnamed = []
+    for path in _modules().values():
+        if path.name != "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        folder = path.parent
+        parts = [p.stem for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+        parts += [p.name for p in folder.iterdir() if (p / "__init__.py").is_file()]
+        missing = sorted(p for p in parts if not re.search(rf"(?<!\w){re.escape(p)}(?!\w)", doc))
+        if missing:
+            unnamed.append(f"{path.relative_to(REPO)} does not name {missing}")
+    assert not unnamed, "\n".join(unnamed)

@@ -7,7 +7,10 @@
   instead of single-threaded gradient kernels; `split_summed_accumulations`: a weight's gradient terms
   (tied or shared weights) accumulated one by one as they are made, instead of summed at the end (memory).
 
-tests/test_graph_rewrites.py, test_graph_gelu.py, test_graph_relu.py and tests/graph/ check each one against
+Modules: ``_gather_nd``, ``_cross_entropy`` (forward); ``_gelu_grad``, ``_relu_grad``, ``_layer_norm_grad``,
+``_split_accumulation`` (training graph); ``_onnx_util``: the small helpers they share.
+
+tests/graph/ (test_graph_rewrites.py, test_graph_gelu.py, test_graph_relu.py, ...) checks each one against
 PyTorch.
 """
 

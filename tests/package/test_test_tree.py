@@ -1,0 +1,52 @@
+"""The test tree stays honest: no test module imports another, and the marker lists of ``tests/conftest.py``
+name tests that exist (a moved or renamed test would silently lose its ``onnxblock`` or ``slow`` marker)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ONNXBLOCK_ONLY, ONNXBLOCK_TESTS, SLOW_TESTS
+from tests.paths import REPO
+
+TESTS = REPO / "tests"
+
+
+def _test_modules() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("test_*.py") if ".venv" not in p.parts)
+
+
+def test_no_test_module_imports_another():
+    """Shared code lives in helper modules (``tests/builders.py``, ``tests/checkpoint/crafted_files.py``...),
+    never in a test module: importing one collects its tests twice and ties two files together."""
+    found = []
+    for path in _test_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n.startswith("tests.") and n.rsplit(".", 1)[-1].startswith("test_") for n in names):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
+
+
+def _test_functions(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        names |= {f"{cls.name}::{n.name}" for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return {n for n in names if n.rsplit("::", 1)[-1].startswith("test")}
+
+
+def test_every_entry_of_the_marker_lists_names_an_existing_test():
+    stale = [f"ONNXBLOCK_ONLY: {f}" for f in sorted(ONNXBLOCK_ONLY) if not (TESTS / f).is_file()]
+    for list_name, entries in (("ONNXBLOCK_TESTS", ONNXBLOCK_TESTS), ("SLOW_TESTS", SLOW_TESTS)):
+        for entry in sorted(entries):
+            file, _, test = entry.partition("::")
+            path = TESTS / file
+            if not path.is_file() or test not in _test_functions(path):
+                stale.append(f"{list_name}: {entry}")
+    assert not stale, "entries that name no test (moved or renamed?):\n" + "\n".join(stale)
