@@ -17,7 +17,6 @@
 - ``lazy_torch``: ``torch`` imported on first use (the read-only CLI commands never load it); public for the
   rooms above;
 - ``files``: the file rules every writer follows (temporary names, the pid check, fsync, publish, target check);
-- ``_storage``: the small storage interface the trainer talks to (HDF5 and in-memory).
 """
 
 from . import schema
@@ -25,18 +24,14 @@ from ._codec import numpy_dtype_name
 from ._h5_reader import CheckpointReader, DatasetInfo, load, open_checkpoint
 from ._h5_stream import save_stream
 from ._h5_writer import cleanup_temp_files, save, save_to_checked_target
-from ._storage import CheckpointStorage, HDF5Storage, InMemoryStorage
 from ._user_dict import decode_user_dict, decode_user_value, encode_user_dict, encode_user_value
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEGACY_FORMAT_VERSION, PartitionInfo, TrainerOptionsRecord
 
 __all__ = [
     "CheckpointReader",
-    "CheckpointStorage",
     "DatasetInfo",
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "HDF5Storage",
-    "InMemoryStorage",
     "LEGACY_FORMAT_VERSION",
     "PartitionInfo",
     "TrainerOptionsRecord",

@@ -1,9 +1,10 @@
 """Where a checkpoint file lives: a local path, or an fsspec URL (``s3://``, ``memory://``, ``gs://``...).
 
-:func:`resolve` turns what the user passed into a :class:`LocalLocation` or a :class:`RemoteLocation`
-with the same small interface (exists, list the folder, read/write small files atomically, publish a
-finished local file, fetch to a local file, remove). Plain paths and ``file://`` URLs are local and
-need nothing beyond the standard library: ``fsspec`` is imported only when a remote URL is used.
+:func:`resolve` turns what the user passed into a :class:`Location` (the protocol below, with its call
+order and promises): a :class:`LocalLocation`, a :class:`RemoteLocation`, or what a backend registered for
+the URL's scheme with :func:`register_scheme` makes (so a third backend does not mean editing ``resolve``).
+Plain paths and ``file://`` URLs are local and need nothing beyond the standard library: ``fsspec`` is
+imported only when a remote URL is used.
 
 Atomic publish on object storage: a finished local file is uploaded to a temporary key next to the
 target (``.<name>.tmp-<pid>-<hex>``), then moved to the final key (a server-side copy on S3: readers
@@ -16,16 +17,26 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointStorageError
 from ..format.files import fsync_path, publish, temp_name
 from ._stale import remove_stale_objects
 
-__all__ = ["LocalLocation", "Location", "RemoteLocation", "is_url", "resolve", "temp_name"]
+__all__ = [
+    "LocalFile",
+    "LocalLocation",
+    "Location",
+    "RemoteLocation",
+    "RemoteStore",
+    "is_url",
+    "register_scheme",
+    "resolve",
+    "temp_name",
+]
 
 PathLike = str | os.PathLike[str]
 # Stores whose put can be conditional (If-None-Match: *) and appears atomically: ``overwrite=False`` is enforced
@@ -37,6 +48,79 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")  # two letters at least: C:
 def is_url(path: Any) -> bool:
     """True for ``scheme://...`` strings (``file://`` included), False for plain paths."""
     return isinstance(path, str) and _URL.match(path) is not None
+
+
+@runtime_checkable
+class Location(Protocol):
+    """One checkpoint file (or folder) of a storage backend: what the readers and writers of ``io``,
+    ``objects`` and ``manager`` ask of it, and all they may assume.
+
+    Call order of a save: :func:`resolve` -> the target check (``is_dir``; ``parent_exists`` / ``make_dirs`` of
+    ``folder()``; ``exists`` unless overwriting) -> the file is written (a :class:`LocalFile` in place through
+    its temporary file; a :class:`RemoteStore` to a local spool file, then ``publish_file``) -> small files
+    beside it (manifest, index) through ``sibling(name).write_bytes``. A load: ``exists`` / ``read_bytes`` for
+    small files; the checkpoint itself through ``path`` (local) or ``fetch_to`` (remote). Cleanup:
+    ``folder().list_names()``, ``sibling(name).remove()``.
+
+    Promises: ``write_bytes`` is atomic for readers (the old content or the new, never part of it) and refuses
+    an existing file unless ``overwrite`` (``CheckpointExistsError``); ``read_bytes`` of a missing file raises
+    ``CheckpointNotFoundError``; ``remove`` returns False for a missing file; ``list_names`` of a missing
+    folder is empty; any other storage failure is an ``OSError`` / ``CheckpointStorageError`` naming
+    ``display``. ``remote`` says which extension the location also implements: :class:`LocalFile` (False)
+    or :class:`RemoteStore` (True).
+    """
+
+    remote: bool
+    display: str  # what messages call it: the path or the URL
+    name: str  # the last part of the path or key
+
+    def sibling(self, name: str) -> Location: ...
+
+    def child(self, name: str) -> Location: ...
+
+    def folder(self) -> Location: ...
+
+    def exists(self) -> bool: ...
+
+    def is_dir(self) -> bool: ...
+
+    def parent_exists(self) -> bool: ...
+
+    def list_names(self) -> list[str]: ...
+
+    def make_dirs(self) -> None: ...
+
+    def read_bytes(self) -> bytes: ...
+
+    def write_bytes(self, data: bytes, *, overwrite: bool) -> None: ...
+
+    def remove(self) -> bool: ...
+
+
+class LocalFile(Location, Protocol):
+    """A location this process opens directly (``remote`` is False): HDF5 reads and writes ``path`` itself."""
+
+    path: Path
+
+    def local_file(self) -> contextlib.AbstractContextManager[Path]: ...
+
+
+class RemoteStore(Location, Protocol):
+    """A location behind an object store (``remote`` is True): a checkpoint is written to a local spool file and
+    published whole, and read from a downloaded copy."""
+
+    def publish_file(self, local: Path, *, overwrite: bool) -> None:
+        """Make the finished local file this location's content, atomically for readers (refusing an existing
+        one unless ``overwrite``)."""
+        ...
+
+    def fetch_to(self, local: Path) -> None:
+        """Download this location's content into the local file ``local``."""
+        ...
+
+    def refuse_existing(self, overwrite: bool) -> None:
+        """``CheckpointExistsError`` if the location exists and ``overwrite`` is False."""
+        ...
 
 
 class LocalLocation:
@@ -216,20 +300,31 @@ class RemoteLocation:
             raise CheckpointExistsError(f"{self.display} already exists; pass overwrite=True to replace it")
 
 
-Location = LocalLocation | RemoteLocation
+SchemeFactory = Callable[[str, Mapping[str, Any] | None], Location]
+_SCHEMES: dict[str, SchemeFactory] = {}
+
+
+def register_scheme(scheme: str, factory: SchemeFactory) -> None:
+    """Resolve URLs ``<scheme>://...`` with ``factory(url, storage_options)`` (a :class:`Location`) instead of
+    fsspec: how a third storage backend joins without editing :func:`resolve`."""
+    if not isinstance(scheme, str) or not _URL.match(f"{scheme}://"):
+        raise ValueError(f"a URL scheme is a letter, then letters, digits, '+', '-' or '.' (2+ in all), got {scheme!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be a callable (url, storage_options) -> Location, got {factory!r}")
+    _SCHEMES[scheme.lower()] = factory
 
 
 def resolve(path: PathLike | Location, storage_options: Mapping[str, Any] | None = None) -> Location:
-    """A location for ``path``: a local path (str / PathLike / ``file://`` URL) or a remote fsspec URL."""
-    if isinstance(path, LocalLocation | RemoteLocation):
+    """A location for ``path``: a local path (str / PathLike / ``file://`` URL), a URL of a registered scheme
+    (:func:`register_scheme`) or any other fsspec URL; a :class:`Location` is returned as it is."""
+    if isinstance(path, Location):
         return path
     if not isinstance(path, str | os.PathLike) or not os.fspath(path):
         raise TypeError(f"a checkpoint path must be a non-empty str, os.PathLike or URL, got {path!r}")
     if not is_url(path):
         return LocalLocation(path)
-    if path.lower().startswith("file://"):
-        return LocalLocation(_file_url_path(path))
-    return RemoteLocation(path, storage_options)
+    factory = _SCHEMES.get(_URL.match(path).group(1).lower())
+    return factory(path, storage_options) if factory is not None else RemoteLocation(path, storage_options)
 
 
 def _file_url_path(url: str) -> str:
@@ -315,3 +410,6 @@ def storage_errors(where: str, action: str) -> Iterator[None]:
                 "storage_options)"
             ) from exc
         raise CheckpointStorageError(f"{where}: cannot {action} it ({kind}: {exc})") from exc
+
+
+register_scheme("file", lambda url, _options: LocalLocation(_file_url_path(url)))

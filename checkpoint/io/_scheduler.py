@@ -1,6 +1,6 @@
 """How a trainer's checkpoint is written: now or in the background, one file or one file per rank.
 
-The trainer keeps one :class:`CheckpointIO` (created on its first save): the background writer with
+The trainer keeps one :class:`SaveScheduler` (created on its first save): the background writer with
 its reusable host snapshot and, for asynchronous distributed saves, a process group of its own.
 
 Synchronous save: the state (views of the live buffers) is written on the calling thread; on W > 1
@@ -30,7 +30,7 @@ from ._location import LocalLocation, Location
 from ._set_writer import plan_set_save, write_set
 from ._transfer import make_parent_folder, save_tree
 
-__all__ = ["CheckpointIO", "write_checkpoint"]
+__all__ = ["SaveScheduler", "write_checkpoint"]
 
 
 def _dist():
@@ -56,8 +56,10 @@ class _Collective:
         return gathered
 
 
-class CheckpointIO:
-    """A trainer's background writer, snapshot buffer and (lazily) its checkpoint process group."""
+class SaveScheduler:
+    """Schedules one owner's saves (a trainer's, a manager's, ``save_objects``'): one at a time, now or on a
+    background thread; holds the background writer, its snapshot buffer and (lazily) the checkpoint process
+    group of asynchronous distributed saves."""
 
     def __init__(self) -> None:
         self.writer = AsyncWriter()
@@ -96,7 +98,7 @@ def _check_single_target(target: Location, overwrite: bool) -> None:
 
 
 def write_checkpoint(
-    io: CheckpointIO,
+    io: SaveScheduler,
     ctx: Any,
     state: dict[str, Any],
     target: Location,

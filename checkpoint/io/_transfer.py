@@ -21,7 +21,7 @@ from typing import Any
 
 from ..format import save
 from ..sets import Manifest, file_crc32, read_manifest
-from ._location import LocalLocation, Location, RemoteLocation, is_url, resolve, storage_errors
+from ._location import Location, RemoteLocation, is_url, resolve, storage_errors
 from ._stale import remove_stale_spools, spool_prefix
 
 __all__ = [
@@ -138,10 +138,10 @@ def local_inputs(
 
     The copies live in a temporary folder removed on exit. Local paths and ``file://`` URLs pass through.
     """
-    single = isinstance(paths, str | os.PathLike | LocalLocation | RemoteLocation)
+    single = isinstance(paths, str | os.PathLike) or isinstance(paths, Location)
     items = [paths] if single else list(paths)
-    if not any(is_url(p) or isinstance(p, RemoteLocation) for p in items):
-        local = [p.path if isinstance(p, LocalLocation) else p for p in items]
+    if not any(is_url(p) or (isinstance(p, Location) and p.remote) for p in items):
+        local = [p.path if isinstance(p, Location) else p for p in items]
         yield local[0] if single else local
         return
     with spool_folder() as folder:

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from ..io import CheckpointIO, LocalLocation, Location, SaveHandle, read_manifest_at, remove_set, resolve
+from ..io import LocalLocation, Location, SaveHandle, SaveScheduler, read_manifest_at, remove_set, resolve
 from ..objects import ObjectsCheckpointable
 from ..sets import check_manifest
 from ._index import INDEX_NAME, MAX_STEP, IndexEntry, checkpoint_name, read_index, scan, write_index
@@ -110,7 +110,7 @@ class CheckpointManager:
         self._in_flight: set[int] = set()  # steps whose save this process started and has not seen finish
         self._handle: SaveHandle | None = None
         self._error: SaveHandle | None = None  # a pruning failure, raised by the next call
-        self._objects_io: CheckpointIO | None = None  # the background writer of saves of a dict of objects
+        self._objects_io: SaveScheduler | None = None  # the background writer of saves of a dict of objects
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory.display!r}, {self.policy})"
@@ -139,7 +139,7 @@ class CheckpointManager:
         if not isinstance(trainer, Mapping):
             return trainer
         if self._objects_io is None:
-            self._objects_io = CheckpointIO()
+            self._objects_io = SaveScheduler()
         return ObjectsCheckpointable(trainer, self._objects_io)
 
     def save(

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from ..io import CheckpointIO, SaveHandle, local_inputs, resolve
+from ..io import SaveHandle, SaveScheduler, local_inputs, resolve
 from ._group import current_group
 from ._kinds import check_state
 from ._restore import read_objects, restore_objects
@@ -21,7 +21,7 @@ from ._save import save_objects_to
 
 __all__ = ["ObjectsCheckpointable", "load_objects", "save_objects"]
 
-_IO = CheckpointIO()  # the module-level writer of save_objects (one save at a time, as a trainer's)
+_IO = SaveScheduler()  # the module-level writer of save_objects (one save at a time, as a trainer's)
 
 
 def save_objects(
@@ -90,7 +90,7 @@ class ObjectsCheckpointable:
     ``options``, ``train_step_info``), done by :func:`save_objects` / :func:`load_objects` with the
     manager's own background writer ``io``."""
 
-    def __init__(self, state: Mapping[str, Any], io: CheckpointIO) -> None:
+    def __init__(self, state: Mapping[str, Any], io: SaveScheduler) -> None:
         check_state(state)
         self.state, self.io = state, io
         self.group = current_group()

@@ -21,7 +21,7 @@ from ..errors import CheckpointWriteError
 from ..format import encode_user_dict, encode_user_value
 from ..format import schema as S
 from ..format.schema import TrainerOptionsRecord
-from ..io import CheckpointIO, Location, SaveHandle, write_checkpoint
+from ..io import Location, SaveHandle, SaveScheduler, write_checkpoint
 from ._group import ProcessGroup
 from ._kinds import SHARDED, Entry
 from ._zero import shard_key, zero_shard
@@ -77,7 +77,7 @@ def objects_tree(
 
 
 def save_objects_to(
-    io: CheckpointIO,
+    io: SaveScheduler,
     entries: list[Entry],
     target: Location,
     *,

@@ -2,7 +2,7 @@
 
 Saving writes views of the live buffers (no copy of the model) through the atomic `checkpoint.save`;
 an asynchronous save copies them into a reusable host snapshot and writes in the background, and a
-distributed save writes one file per rank plus a manifest (`checkpoint.io.CheckpointIO`).
+distributed save writes one file per rank plus a manifest (`checkpoint.io.SaveScheduler`).
 Paths may be fsspec URLs (`checkpoint.io`).
 
 Loading is two-phase: open, verify every checksum and validate keys, shapes and types against the
@@ -22,7 +22,7 @@ import torch
 from ort_trainer import checkpoint
 from ort_trainer.checkpoint import io as _io
 from ort_trainer.checkpoint.format import schema as S
-from ort_trainer.checkpoint.io import CheckpointIO, write_checkpoint
+from ort_trainer.checkpoint.io import SaveScheduler, write_checkpoint
 from ort_trainer.checkpoint.sets import is_manifest
 from ort_trainer.engine import TrainerState
 
@@ -47,7 +47,7 @@ def save_trainer_checkpoint(
     """One file; or, on W > 1 ranks, one file per rank plus a manifest that rank 0 writes last.
 
     The previous asynchronous save is waited for first (its error is raised here). With ``async_save``
-    the state is copied into a host snapshot and written in the background (see ``checkpoint.io.CheckpointIO``).
+    the state is copied into a host snapshot and written in the background (see ``checkpoint.io.SaveScheduler``).
     """
     if include_optimizer_states:
         check_window_boundary(trainer, path)
@@ -111,10 +111,10 @@ def _updated_by_the_optimizer(trainer: TrainerState):
     return lambda key: key[0] == S.OPTIMIZER_KEY or (key[:2] == model and len(key) == 3 and key[2] in trainable)
 
 
-def checkpoint_io(trainer: TrainerState) -> CheckpointIO:
+def checkpoint_io(trainer: TrainerState) -> SaveScheduler:
     """The trainer's background writer (created on first use)."""
     if trainer.checkpoint_io is None:
-        trainer.checkpoint_io = CheckpointIO()
+        trainer.checkpoint_io = SaveScheduler()
     return trainer.checkpoint_io
 
 

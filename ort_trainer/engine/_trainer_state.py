@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import onnx
     import torch
 
-    from ort_trainer.checkpoint.io import CheckpointIO
+    from ort_trainer.checkpoint.io import SaveScheduler
     from ort_trainer.config.model_desc import ModelDescription
     from ort_trainer.config.options import ORTTrainerOptions
     from ort_trainer.optim.config import OptimizerConfig
@@ -44,7 +44,7 @@ class TrainerState:
     train_step_info: TrainStepInfo
     dist: DistributedContext | None
     engine: Engine | None = None  # None until the graphs are built on the first step
-    checkpoint_io: CheckpointIO | None = None  # background writer of asynchronous saves, created on the first save
+    checkpoint_io: SaveScheduler | None = None  # background writer of asynchronous saves, created on the first save
     closed: bool = False
     engine_name: str = "onnxblock"  # the graph source chosen at construction (`_sources.choose_engine`)
     horizontal: ModelParallel | None = None  # Megatron: this rank's slice, groups and specs (docs/megatron.md)

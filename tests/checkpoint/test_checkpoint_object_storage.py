@@ -167,6 +167,36 @@ def test_memory_urls_and_unknown_schemes():
         trainer.load_checkpoint("gs://b/c.ortcp")
 
 
+def test_a_third_backend_joins_by_registering_its_scheme(monkeypatch):
+    """``register_scheme``: URLs of a new scheme resolve to the backend's ``Location`` (here a thin one over
+    fsspec's memory store whose ``display`` keeps the user's URL); saves, loads and errors go through it."""
+    from ort_trainer.checkpoint.io import _location
+
+    made = []
+
+    class Aliased(checkpoint.io.RemoteLocation):
+        def __init__(self, url, storage_options=None, **kwargs):
+            super().__init__(url.replace("vault://", "memory://vault/", 1), storage_options, **kwargs)
+            made.append(url)
+
+    monkeypatch.setitem(_location._SCHEMES, "vault", lambda url, options: Aliased(url, options))
+    with pytest.raises(ValueError, match=r"a URL scheme is .*got 'x'"):
+        checkpoint.io.register_scheme("x", Aliased)
+    with pytest.raises(TypeError, match="factory must be a callable"):
+        checkpoint.io.register_scheme("vault", None)
+    location = checkpoint.io.resolve("vault://run/ckpt.ortcp")
+    assert isinstance(location, checkpoint.io.Location) and isinstance(location, Aliased)
+    trainer = mlp_trainer()
+    trainer.train_step(*BATCHES[0])
+    url = f"vault://{uuid.uuid4().hex}/ckpt.ortcp"
+    trainer.save_checkpoint(url)
+    with pytest.raises(checkpoint.CheckpointExistsError, match="already exists"):
+        trainer.save_checkpoint(url, overwrite=False)
+    fresh = mlp_trainer(seed=1)
+    fresh.load_checkpoint(url)
+    assert url in made and _same_state(fresh, trainer)
+
+
 NO_FSSPEC = """
 import sys
 sys.modules["fsspec"] = None  # as if it were not installed: importing it raises ImportError

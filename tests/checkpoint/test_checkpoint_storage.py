@@ -444,30 +444,6 @@ def test_golden_layout(legacy_shaped):
         assert f["trainer_options/optimizer_name"][()] == b"AdamOptimizer"  # what legacy readers get
 
 
-# ---- storage interface ---------------------------------------------------------------------------
-@pytest.mark.parametrize("storage_cls", [C.HDF5Storage, C.InMemoryStorage])
-def test_storage_implementations_agree(tmp_path, storage_cls):
-    storage = storage_cls()
-    assert isinstance(storage, C.CheckpointStorage)
-    path = tmp_path / "s.ortcp"
-    tree = TENSORS | PYTHON_VALUES | {"np": np.arange(3), "sub": {"a/b": {}}}
-    storage.write(tree, path)
-    assert storage.exists(path)
-    expected = tree | {"np": torch.arange(3)}
-    assert_same(expected, storage.read(path))
-    assert_same(expected["bf16"], storage.read(path, "bf16"))
-    with pytest.raises(C.CheckpointExistsError, match="already exists"):
-        storage.write(tree, path)
-    with pytest.raises(TypeError, match="builtins.set at 'x/y'"):
-        storage.write({"x": {"y": set()}}, tmp_path / "t.ortcp")
-    with pytest.raises(C.CheckpointKeyError, match="'nope' not found in .*s.ortcp"):
-        storage.read(path, "nope")
-    storage.remove(path)
-    assert not storage.exists(path)
-    with pytest.raises(C.CheckpointNotFoundError, match="s.ortcp: no such checkpoint file"):
-        storage.read(path)
-
-
 # ---- memory --------------------------------------------------------------------------------------
 MEMORY_PROBE = """
 import resource, sys, torch, checkpoint

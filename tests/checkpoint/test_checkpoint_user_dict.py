@@ -62,12 +62,6 @@ def test_user_dict_round_trips_with_python_types(tmp_path):
     assert_exact(USER_DICT, C.decode_user_dict(loaded))
 
 
-def test_user_dict_round_trips_in_memory():
-    storage = C.InMemoryStorage()
-    storage.write({"user_dict": C.encode_user_dict(USER_DICT)}, "mem")
-    assert_exact(USER_DICT, C.decode_user_dict(storage.read("mem", "user_dict")))
-
-
 def test_unsupported_user_values_name_the_key_path():
     with pytest.raises(TypeError, match=r"unsupported user_dict value of type .*Custom at 'user_dict/opt/foo'"):
         C.encode_user_dict({"opt": {"foo": Custom()}})

@@ -2,8 +2,8 @@
 and with ``torch.distributed.optim.ZeroRedundancyOptimizer`` (gloo on 127.0.0.1; RANK/WORLD_SIZE/MASTER_* set).
 
 ``python -m tests.distributed.objects_dist_worker ranks DIR`` (2 ranks): DDP (rank 0 writes the whole state once,
-every rank restores it), then ZeRO (every rank writes its shard into a rank set, restore at the same world size trains on
-bit-exactly, the united shards equal ZeRO's consolidated ``state_dict()``, which rank 0 saves for the test).
+every rank restores it), then ZeRO (every rank writes its shard into a rank set, restore at the same world size
+trains on bit-exactly, the united shards equal ZeRO's consolidated ``state_dict()``, which rank 0 saves for the test).
 ``python -m tests.distributed.objects_dist_worker one DIR`` (1 rank): the 2-rank set restored into a ZeRO optimizer
 of 1 rank.
 Every check is an assert: a failed one fails the rank, and the test shows its log.
