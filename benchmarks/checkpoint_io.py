@@ -178,7 +178,7 @@ def stall_round(trainer, width: int, steps: int, folder: Path, results: Results)
     time ``train_step`` waited for the snapshot copy before its update. "loop" is the loop's wall time.
     """
     inputs = batch(width)
-    writer = trainer._trainer_state.checkpoint_io.writer
+    writer = trainer.trainer_state.checkpoint_io.writer
     fence = {"s": 0.0}
     real_wait = type(writer).wait_for_snapshot
 

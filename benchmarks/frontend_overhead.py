@@ -46,7 +46,7 @@ def measure(spec: ModelSpec, args) -> dict[str, float]:
     batches = spec.batches(2)
     options = None if args.threads is None else session_options(args.threads, spinning=False)
     step, trainer = ort_trainer_step(spec, spec.make(), options, True, batches[0])
-    engine = trainer._trainer_state.engine  # the benchmark times the two halves of a step separately
+    engine = trainer.trainer_state.engine  # the benchmark times the two halves of a step separately
     session, io = engine.session._train, engine.session._train_io
     parts = {
         "train_step": lambda: step(batches[0]),

@@ -51,8 +51,8 @@ def _rank(h: int) -> None:
     trainer = ORTTrainer(GPT2(), desc, optim.AdamConfig(lr=1e-3), loss_fn=loss_fn, options=options)
     tokens = torch.randint(0, 1000, (2, 33))
     trainer.train_step(tokens[:, :-1].contiguous(), torch.ones(2, 32, dtype=torch.int64), tokens[:, 1:].contiguous())
-    store = trainer._trainer_state.store  # the live buffers
-    split = set(trainer._trainer_state.horizontal.specs) if h > 1 else _split_names(store.param_views)
+    store = trainer.trainer_state.store  # the live buffers
+    split = set(trainer.trainer_state.horizontal.specs) if h > 1 else _split_names(store.param_views)
     counts = {"split_params": 0, "other_params": 0, "split_optimizer": 0, "other_optimizer": 0}
     for name, tensor in store.param_views.items():
         counts["split_params" if name in split else "other_params"] += tensor.numel()

@@ -96,7 +96,7 @@ def profile_ort(spec, model, args, rewrites: bool, engine_name: str = "auto") ->
         step, trainer = ort_trainer_step(spec, model, options, rewrites, batches[0], utils)
         for i in range(args.warmup):
             step(batches[i % len(batches)])
-        engine = trainer._trainer_state.engine  # the benchmark reaches into the engine to time its two halves
+        engine = trainer.trainer_state.engine  # the benchmark reaches into the engine to time its two halves
         run_times, update_times, step_times = [], [], []
         engine.session.run_train = _timed(engine.session.run_train, run_times)
         engine.optimizer.step = _timed(engine.optimizer.step, update_times)

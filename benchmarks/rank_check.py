@@ -55,7 +55,7 @@ def _rank(rounds: int, steps: int) -> None:
     state.start_rank_check = original
     start = time.perf_counter()
     for _ in range(200):
-        state.check_ranks_agree(trainer._trainer_state)
+        state.check_ranks_agree(trainer.trainer_state)
     alone = (time.perf_counter() - start) / 200 * 1e3
     if rank == 0:
         with_check, without = statistics.median(times["with check"]), statistics.median(times["without"])

@@ -1,8 +1,9 @@
 """`ORTTrainer`: train a PyTorch module or an ONNX model with ONNX Runtime.
 
 A thin facade: public methods validate their arguments, then hand the trainer's `TrainerState` to the
-rooms that do the work: `engine._build` (export + graphs + buffers), `engine._step` (the step and its
-distributed update), `_state` (state dicts, checkpoints through `checkpoint/`).
+rooms that do the work: `engine.assemble_trainer_state` (the constructor's work), `engine.build_engine`
+(export + graphs + sessions, on the first step), `engine.train_step` (the step and its distributed update),
+`_state` (state dicts, checkpoints through `checkpoint/`).
 """
 
 from __future__ import annotations
@@ -19,29 +20,21 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ort_trainer.checkpoint.io import SaveHandle
 from ort_trainer.engine import (
     BuildRequest,
-    DistributedContext,
     Engine,
     TrainerState,
-    agreed_run_seed,
+    assemble_trainer_state,
     build_engine,
-    build_store,
-    check_autograd_supported,
-    choose_engine,
     eval_step,
-    resolve_device,
-    session_options_for,
     train_step,
 )
-from ort_trainer.graph import bind_forward_inputs, model_input_names
 from ort_trainer.optim.config import OptimizerConfig
 from ort_trainer.parallel import HorizontalParallel
 
 from . import _state
 from ._state import StateDictOptions, load_trainer_checkpoint, save_trainer_checkpoint
-from .config.model_desc import ModelDescription, check_inputs, validate_model_desc
+from .config.model_desc import ModelDescription, check_inputs
 from .config.options import ORTTrainerOptions
-from .diagnosis import check_input_tensors, check_onnx_io
-from .graph import outer_module
+from .diagnosis import check_input_tensors
 from .train_step_info import TrainStepInfo
 
 __all__ = ["ORTTrainer"]
@@ -74,72 +67,18 @@ class ORTTrainer:
                 "optim_config must be an optim.AdamConfig, optim.LambConfig or optim.SGDConfig, "
                 f"got {type(optim_config).__name__}"
             )
-        options = ORTTrainerOptions(options)
-        options.check_implemented()
-        options.debug.graph_save_paths.check_writable()
-        engine_name = choose_engine(options.utils.engine)
-        if engine_name == "autograd":
-            check_autograd_supported(
-                model,
-                mixed_precision=bool(options.mixed_precision.enabled),
-                horizontal=options.distributed.horizontal_parallel_size > 1,
-                extra_postprocess=options._internal_use.extra_postprocess,
-            )
-        model_desc = validate_model_desc(model_desc, require_loss=True)
-        if isinstance(model, torch.nn.Module):  # model_desc names must be forward()'s parameters (legacy rule)
-            bind_forward_inputs(outer_module(model), model_input_names(model_desc, loss_fn))
-        device = resolve_device(options.device.id, options.provider_options)
-        zero_stage = options.distributed.deepspeed_zero_optimization.stage
-        if zero_stage > 0 and optim_config.name == "LambOptimizer":
-            raise NotImplementedError(
-                "ZeRO with LAMB is not implemented yet: LAMB's per-tensor trust ratio needs norms of whole "
-                "tensors, which ZeRO splits across ranks; use AdamConfig or SGDConfig, or zero stage 0"
-            )
-        dist_options = options.distributed
-        if dist_options.horizontal_parallel_size > 1:  # before any process group exists
-            HorizontalParallel.check_supported(model, options, optim_config)
-        dist = (
-            DistributedContext(dist_options.world_rank, dist_options.world_size, device.torch_device)
-            if dist_options.world_size > 1
-            else None
-        )
-        if isinstance(model, onnx.ModelProto):
-            check_onnx_io(model, model_desc)
-        # The whole state exists from here on (parameters, optimizer, frozen state), before any graph.
-        # Megatron (horizontal parallel): the state is built from this rank's slice of the model (docs/megatron.md)
-        horizontal = (
-            HorizontalParallel(model, options, optim_config, device.torch_device)
-            if dist_options.horizontal_parallel_size > 1
-            else None
-        )
-        store_dist = dist
-        if horizontal is not None:
-            model, store_dist = horizontal.model, horizontal.data_parallel
-        share = options.utils.share_module_parameters and isinstance(model, torch.nn.Module)
-        store = build_store(  # with share_with, the module's weights become views of the store's (held once)
-            model,
-            optim_config,
-            tuple(options.utils.frozen_weights),
-            device.torch_device,
-            store_dist,
-            zero_stage,
-            share_with=model if share else None,
-        )
-        self._trainer_state = TrainerState(
-            options=options,
-            optim_config=optim_config,
-            model_desc=model_desc,
-            loss_fn=loss_fn,
-            model=model,
-            device=device,
-            store=store,
-            train_step_info=TrainStepInfo(optim_config, seed=agreed_run_seed(dist)),
-            dist=dist,
-            horizontal=horizontal,
-            engine_name=engine_name,
+        self._trainer_state = assemble_trainer_state(
+            model, model_desc, optim_config, loss_fn, options, model_parallel=HorizontalParallel
         )
 
     # ------------------------------------------------------------------ properties
+    @property
+    def trainer_state(self) -> TrainerState:
+        """The one object this trainer's parts live in (``engine.TrainerState``): for tools and benchmarks that
+        look inside a trainer (its parameter store, built engine, background writer); training code needs none
+        of it."""
+        return self._trainer_state
+
     @property
     def options(self) -> ORTTrainerOptions:
         return self._trainer_state.options
@@ -413,7 +352,7 @@ class ORTTrainer:
         if state.engine is not None:
             return state.engine
         self._before_changing_state()
-        state.engine = build_engine(self._build_request(), inputs)
+        state.engine = build_engine(BuildRequest.from_state(state), inputs)
         try:
             if state.options.debug.check_model_export:
                 _state.check_model_export(state, inputs)
@@ -422,25 +361,6 @@ class ORTTrainer:
             raise
         state.model_desc = state.engine.typed_description(state.model_desc)  # legacy: dtypes known from now on
         return state.engine
-
-    def _build_request(self) -> BuildRequest:
-        return BuildRequest(
-            model=self._trainer_state.model,
-            loss_fn=self.loss_fn,
-            desc=self.model_desc,
-            store=self._trainer_state.store,
-            opset_version=self.options._internal_use.onnx_opset_version,
-            device=self._trainer_state.device,
-            session_options=session_options_for(self.options),
-            graph_save_paths=self.options.debug.graph_save_paths,
-            extra_postprocess=self.options._internal_use.extra_postprocess,
-            zero_stage=self.options.distributed.deepspeed_zero_optimization.stage,
-            mixed_precision=bool(self.options.mixed_precision.enabled),
-            shrink_arena=bool(self.options.utils.shrink_memory_arena),
-            horizontal=self._trainer_state.horizontal,
-            engine=self._trainer_state.engine_name,
-            graph_cache=bool(self.options.utils.graph_cache),
-        )
 
     def _require_engine(self, what: str) -> Engine:
         if self._trainer_state.engine is None:

@@ -15,18 +15,20 @@
 * ``_progress``: each build phase logged with its duration (a tqdm bar on a terminal);
 * ``_random``: Dropout's random state as a function of (run seed, rank, step);
 * ``_fork_safety``: a process forked from a trainer exits without hanging in ORT's thread pool;
-* ``_trainer_state``: ``TrainerState``, the one object a trainer's parts live in;
+* ``_trainer_state``: ``TrainerState``, the one object a trainer's parts live in; ``_assembly``:
+  ``assemble_trainer_state``, the constructor's work (options, refusals, process group, store) that fills it;
 * ``_step``: one train/eval step, the distributed update (reduce, ZeRO, clipping, loss-scale skips);
 * ``_rank_check``: the per-step check that every rank holds the same state.
 """
 
 from __future__ import annotations
 
+from ._assembly import assemble_trainer_state
 from ._autograd_build import check_autograd_supported
 from ._build import BuildRequest, Engine, session_options_for
 from ._distributed import DistributedContext, buckets
 from ._fork_safety import track
-from ._protocols import GraphSource, ModelParallel
+from ._protocols import GraphSource, ModelParallel, ModelParallelFactory
 from ._random import agreed_run_seed
 from ._rank_check import note_load
 from ._session import DeviceSpec, resolve_device, to_ortvalue
@@ -36,6 +38,7 @@ from ._store import ParamStore, build_store
 from ._trainer_state import TrainerState
 
 __all__ = [
+    "assemble_trainer_state",
     "BuildRequest",
     "DeviceSpec",
     "DistributedContext",
@@ -43,6 +46,7 @@ __all__ = [
     "Engine",
     "GraphSource",
     "ModelParallel",
+    "ModelParallelFactory",
     "ParamStore",
     "TrainerState",
     "agreed_run_seed",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 import onnxruntime as ort
@@ -48,6 +48,9 @@ from ._progress import BuildProgress
 from ._protocols import ModelParallel
 from ._session import DeviceSpec, TrainingSession
 from ._store import ParamStore, graph_state_names
+
+if TYPE_CHECKING:
+    from ._trainer_state import TrainerState
 
 __all__ = [
     "BuildRequest",
@@ -174,6 +177,28 @@ class BuildRequest:
     horizontal: ModelParallel | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
     engine: str = "onnxblock"  # the graph source (`_sources.choose_engine`): "onnxblock" or "autograd"
     graph_cache: bool = True  # autograd engine: the on-disk cache of exported graphs (utils.graph_cache)
+
+    @classmethod
+    def from_state(cls, state: TrainerState) -> BuildRequest:
+        """The request for a trainer's first build: its model, buffers and device, and the options that shape it."""
+        options = state.options
+        return cls(
+            model=state.model,
+            loss_fn=state.loss_fn,
+            desc=state.model_desc,
+            store=state.store,
+            opset_version=options._internal_use.onnx_opset_version,
+            device=state.device,
+            session_options=session_options_for(options),
+            graph_save_paths=options.debug.graph_save_paths,
+            extra_postprocess=options._internal_use.extra_postprocess,
+            zero_stage=options.distributed.deepspeed_zero_optimization.stage,
+            mixed_precision=bool(options.mixed_precision.enabled),
+            shrink_arena=bool(options.utils.shrink_memory_arena),
+            horizontal=state.horizontal,
+            engine=state.engine_name,
+            graph_cache=bool(options.utils.graph_cache),
+        )
 
 
 def build_onnxblock_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:

@@ -2,7 +2,8 @@
 
 `GraphSource`: builds the graphs and sessions of one trainer (`_sources` registers the onnxblock and autograd
 ones). `ModelParallel`: what the engine asks of a model-parallel plan (``ort_trainer.parallel.HorizontalParallel``
-implements it), so that the engine names no class of a room above it.
+implements it), and `ModelParallelFactory` how the assembly makes one, so that the engine names no class of a
+room above it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from ._build import BuildRequest, Engine
     from ._store import ParamStore
 
-__all__ = ["GraphSource", "ModelParallel"]
+__all__ = ["GraphSource", "ModelParallel", "ModelParallelFactory"]
 
 
 class GraphSource(Protocol):
@@ -34,6 +35,9 @@ class GraphSource(Protocol):
 class ModelParallel(Protocol):
     """A model-parallel plan: it builds the session of this rank's segment and knows the global gradient norm."""
 
+    model: torch.nn.Module  # this rank's slice of the model: the parameter store is built from it
+    data_parallel: Any  # the data-parallel view (a `DistributedContext` over the replicas of this slice) or None
+
     def build_session(
         self, forward: onnx.ModelProto, trainable: list[str], frozen: list[str], store: ParamStore, request: Any
     ) -> Any:
@@ -43,3 +47,13 @@ class ModelParallel(Protocol):
     def grad_norm(self, grad_views: Mapping[str, torch.Tensor]) -> float:
         """The L2 norm of the whole model's gradient (split weights summed over the group)."""
         ...
+
+
+class ModelParallelFactory(Protocol):
+    """How `assemble_trainer_state` makes a `ModelParallel` plan (``ort_trainer.parallel.HorizontalParallel``)."""
+
+    def check_supported(self, model: Any, options: Any, optim_config: Any) -> None:
+        """``NotImplementedError`` for what the plan does not do, before any process group exists."""
+        ...
+
+    def __call__(self, model: Any, options: Any, optim_config: Any, device: torch.device) -> ModelParallel: ...

@@ -40,7 +40,7 @@ def test_async_save_writes_the_state_of_the_call_while_training_goes_on(tmp_path
     assert saved["train_step_info"]["step"] == 1
     assert checkpoint.decode_user_dict(saved["user_dict"]) == {"note": "first"}
     # the second save reuses the snapshot buffer: same memory, no new allocation
-    snapshot = trainer._trainer_state.checkpoint_io.writer.snapshot
+    snapshot = trainer.trainer_state.checkpoint_io.writer.snapshot
     pointer, size = snapshot._buffer.data_ptr(), snapshot.nbytes
     state_bytes = sum(t.numel() * t.element_size() for t in expected.values())
     assert state_bytes * 0.95 <= size <= state_bytes * 1.05
@@ -101,7 +101,7 @@ def test_a_background_failure_is_raised_by_the_next_call_once(tmp_path, monkeypa
     trainer.train_step(*batch)
     _failing_writes(monkeypatch)
     handle = trainer.save_checkpoint(tmp_path / "a.ortcp", async_save=True)
-    trainer._trainer_state.checkpoint_io.writer._thread.join()  # let it fail
+    trainer.trainer_state.checkpoint_io.writer._thread.join()  # let it fail
     with pytest.raises(OSError, match="No space left on device"):
         trainer.train_step(*batch)
     trainer.train_step(*batch)  # reported once: training goes on

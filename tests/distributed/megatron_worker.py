@@ -90,7 +90,7 @@ def main() -> None:
         dist.all_reduce(evaluated)
         evaluated /= world
     weights = trainer.state_dict(pytorch_format=True)
-    horizontal = trainer._trainer_state.horizontal
+    horizontal = trainer.trainer_state.horizontal
     if horizontal is not None:
         for name, spec in horizontal.specs.items():
             shards = [torch.empty_like(weights[name]) for _ in range(args.h)]

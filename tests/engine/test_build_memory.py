@@ -57,7 +57,7 @@ def test_onnxblock_gets_a_graph_without_weight_data(monkeypatch):
 
 def test_model_state_keeps_no_copy_of_the_float_weights():
     trainer = ORTTrainer(MLP(), MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
-    initial = trainer._trainer_state.store.state.initial
+    initial = trainer.trainer_state.store.state.initial
     assert initial and all(t.device.type == "meta" for t in initial.values() if t.is_floating_point())
     # state_dict() still gives real tensors of the module's dtypes and values
     state = trainer.state_dict(pytorch_format=True)
@@ -108,12 +108,12 @@ def test_eval_session_is_created_on_the_first_eval_step_and_matches_torch():
     trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.0), loss_fn=ce)
     x, label = mlp_batches(1)[0]
     trainer.train_step(x, label)
-    assert trainer._trainer_state.engine.session._eval is None
+    assert trainer.trainer_state.engine.session._eval is None
     model.eval()
     with torch.no_grad():
         expected = ce(model(x), label)
     torch.testing.assert_close(trainer.eval_step(x, label), expected, atol=1e-6, rtol=1e-5)
-    assert trainer._trainer_state.engine.session._eval is not None
+    assert trainer.trainer_state.engine.session._eval is not None
 
 
 def test_debug_graph_files_and_extra_postprocess_see_the_weights(tmp_path):

@@ -53,7 +53,7 @@ def test_the_gpu_layout_trains_exactly_as_the_packed_one_and_checkpoints_cross(m
     aligned = _trainer(copy.deepcopy(model))
     aligned_losses = [aligned.train_step(*b).item() for b in batches[:2]]
     assert aligned_losses == packed_losses
-    store = aligned._trainer_state.store
+    store = aligned.trainer_state.store
     assert store.layout.numel > sum(v.numel() for v in store.param_views.values())  # there are gaps
     for buffer, views in ((store.params, store.param_views), (store.grads, store.grad_views)):
         # 256 bytes from the buffer's start (torch's CUDA allocator starts a buffer on a 512-byte boundary)

@@ -26,7 +26,7 @@ def test_shared_module_shows_the_trained_weights_and_matches_torch():
     model = CNN()
     reference = copy.deepcopy(model)
     trainer = ORTTrainer(model, CNN_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=SHARE)
-    assert all(_inside(p, trainer._trainer_state.store.params) for p in model.parameters())
+    assert all(_inside(p, trainer.trainer_state.store.params) for p in model.parameters())
     assert_steps_match_torch_sgd(trainer, reference, cnn_batches(3))
     for name, value in reference.state_dict().items():  # running statistics included (shared float buffers)
         if value.is_floating_point():  # integer buffers (num_batches_tracked) are counted by the trainer only
@@ -40,7 +40,7 @@ def test_tied_weights_stay_tied_and_loads_reach_the_module():
     model.head.weight = model.embed.weight
     trainer = ORTTrainer(model, LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss, options=SHARE)
     trainer.train_step(*lm_batches(1)[0])
-    assert model.head.weight is model.embed.weight and _inside(model.embed.weight, trainer._trainer_state.store.params)
+    assert model.head.weight is model.embed.weight and _inside(model.embed.weight, trainer.trainer_state.store.params)
     fresh = TinyLM()
     fresh.head.weight = fresh.embed.weight
     trainer.load_state_dict(fresh.state_dict(), strict=False)
@@ -53,7 +53,7 @@ def test_without_the_option_the_module_keeps_its_own_storage():
     keep = {"utils": {"share_module_parameters": False}}
     trainer = ORTTrainer(model, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=keep)
     trainer.train_step(*mlp_batches(1)[0])
-    assert not any(_inside(p, trainer._trainer_state.store.params) for p in model.parameters())
+    assert not any(_inside(p, trainer.trainer_state.store.params) for p in model.parameters())
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], atol=0, rtol=0)
 
@@ -69,7 +69,7 @@ def test_shrinking_the_arena_keeps_the_numbers():
     for batch in lm_batches(3):
         torch.testing.assert_close(lean.train_step(*batch), plain.train_step(*batch), atol=0, rtol=0)
     key = "memory.enable_memory_arena_shrinkage"
-    assert lean._trainer_state.engine.session._run_options.get_run_config_entry(key) == "cpu:0"
+    assert lean.trainer_state.engine.session._run_options.get_run_config_entry(key) == "cpu:0"
     torch.testing.assert_close(lean.eval_step(*lm_batches(1)[0]), plain.eval_step(*lm_batches(1)[0]), atol=0, rtol=0)
 
 

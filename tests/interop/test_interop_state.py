@@ -285,7 +285,7 @@ def test_state_dict_options_ignore_frozen_params_cpu_offload_and_submodules():
 
 
 def trainer_module(trainer):
-    return trainer._trainer_state.model
+    return trainer.trainer_state.model
 
 
 def test_full_state_dict_of_a_single_process_is_the_state_dict():
