@@ -84,6 +84,8 @@ def full_state(weight_mb: int, seed: int = 0) -> dict:
     """A single-process Adam state with ``weight_mb`` MB of float32 weights in several tensors."""
     import torch
 
+    from ort_trainer import checkpoint as C
+
     rows = weight_mb * MB // 4 // HIDDEN - 4  # 4 bias rows of HIDDEN
     # embedding 3/8, two layers of 1/4 (the first straddles the W=2 boundary), an output layer
     parts = [3 * rows // 8, rows // 4, rows // 4]
@@ -107,15 +109,15 @@ def full_state(weight_mb: int, seed: int = 0) -> dict:
     return {
         "model": {"full_precision": model},
         "optimizer": optimizer,
-        "trainer_options": {
-            "mixed_precision": False,
-            "zero_stage": 0,
-            "world_rank": 0,
-            "world_size": 1,
-            "optimizer_name": "AdamOptimizer",
-            "data_parallel_size": 1,
-            "horizontal_parallel_size": 1,
-        },
+        "trainer_options": C.TrainerOptionsRecord(
+            mixed_precision=False,
+            zero_stage=0,
+            world_rank=0,
+            world_size=1,
+            optimizer_name="AdamOptimizer",
+            data_parallel_size=1,
+            horizontal_parallel_size=1,
+        ).to_tree(),
         "train_step_info": {"optimization_step": 100, "step": 100},
     }
 

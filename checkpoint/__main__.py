@@ -1,4 +1,4 @@
-"""``python -m ort_trainer.checkpoint`` and the ``ort-trainer-ckpt`` console script (see ``checkpoint/cli.py``)."""
+"""``python -m ort_trainer.checkpoint`` and the ``ort-trainer-ckpt`` console script (see ``checkpoint/cli/``)."""
 
 import sys
 

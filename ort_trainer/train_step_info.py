@@ -28,17 +28,12 @@ def _as_int(name: str, value: Any) -> int:
 
 
 def _check_optimizer_config(value: Any) -> Any:
-    """Accept an ``optim.config._OptimizerConfig`` (or, while optim is unavailable, anything with .lr/.name)."""
-    try:
-        from ort_trainer.optim.config import OptimizerConfig as config_cls
-    except ImportError:  # optim not importable (yet): fall back to duck typing
-        config_cls = None
-    if config_cls is not None:
-        ok, expected = isinstance(value, config_cls), "an optim.config._OptimizerConfig"
-    else:
-        ok, expected = hasattr(value, "lr") and hasattr(value, "name"), "an optimizer config (with .lr and .name)"
-    if not ok:
-        raise TypeError(f"'optimizer_config' must be {expected}, got {type(value).__name__}")
+    """Accept an ``optim.config.OptimizerConfig`` (imported here: optim is a leaf, but ``import ort_trainer``
+    stays light)."""
+    from ort_trainer.optim.config import OptimizerConfig
+
+    if not isinstance(value, OptimizerConfig):
+        raise TypeError(f"'optimizer_config' must be an optim.config._OptimizerConfig, got {type(value).__name__}")
     return value
 
 

@@ -1,7 +1,7 @@
 """Builders the tests share: the MLP trainer most tests train, and the legacy ``trainer_options`` record.
 
 Importable by test modules and spawned worker scripts alike (``from tests.builders import ...``);
-``tests/conftest.py`` offers the same as fixtures.
+``tests/conftest.py`` offers the legacy record as the ``trainer_options`` fixture.
 """
 
 from __future__ import annotations
@@ -12,22 +12,25 @@ from typing import Any
 import torch
 
 from ort_trainer import ORTTrainer, optim
+from ort_trainer.checkpoint import TrainerOptionsRecord
 from tests.models import MLP, MLP_DESC
 
 ce = torch.nn.functional.cross_entropy
+# the legacy record of a one-process Adam run (the format's own record, so the keys cannot drift)
+ONE_PROCESS_ADAM = TrainerOptionsRecord(
+    mixed_precision=False,
+    zero_stage=0,
+    world_rank=0,
+    world_size=1,
+    optimizer_name="AdamOptimizer",
+    data_parallel_size=1,
+    horizontal_parallel_size=1,
+)
 
 
 def legacy_trainer_options(**changes: Any) -> dict[str, Any]:
     """The ``trainer_options`` section of a legacy checkpoint: one process, Adam, no ZeRO, fp32 (+ ``changes``)."""
-    options = {
-        "mixed_precision": False,
-        "zero_stage": 0,
-        "world_rank": 0,
-        "world_size": 1,
-        "optimizer_name": "AdamOptimizer",
-        "data_parallel_size": 1,
-        "horizontal_parallel_size": 1,
-    }
+    options = ONE_PROCESS_ADAM.to_tree()
     unknown = set(changes) - set(options)
     if unknown:
         raise KeyError(f"not a trainer_options key: {sorted(unknown)}")

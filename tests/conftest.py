@@ -1,21 +1,14 @@
-"""Fixtures every test folder shares (the builders themselves live in ``tests/builders.py``, so that
-spawned worker scripts and helper modules can import them too)."""
+"""Fixtures every test folder shares, and the marker lists (the builders themselves live in ``tests/builders.py``,
+so that spawned worker scripts and helper modules can import them too; tests call ``mlp_trainer`` from there)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.builders import legacy_trainer_options, mlp_trainer
-
-
-@pytest.fixture
-def make_trainer() -> Callable[..., Any]:
-    """`tests.builders.mlp_trainer`: ``make_trainer(model=None, *, config=None, seed=0, hidden=16, **options)``."""
-    return mlp_trainer
+from tests.builders import legacy_trainer_options
 
 
 @pytest.fixture

@@ -104,7 +104,8 @@ def check_window_boundary(trainer: TrainerState, path: Any) -> None:
 def _updated_by_the_optimizer(trainer: TrainerState):
     """Keys of the tensors only the optimizer update changes (trainable weights, optimizer state): an
     asynchronous save copies them on its own thread while the next forward/backward runs, and the
-    trainer waits for that copy before its next update (`ORTTrainer._update`). Everything else (e.g.
+    trainer waits for that copy before its next update (`engine._step._update`, through
+    `TrainerState.wait_for_snapshot`). Everything else (e.g.
     BatchNorm statistics, written by every training run) is copied during the call."""
     trainable = frozenset(trainer.store.param_views)
     model = (S.MODEL_KEY, S.FULL_PRECISION_KEY)

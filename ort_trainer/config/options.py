@@ -86,12 +86,9 @@ class _RootOptions:
         c.done()
 
     def _check_lr_scheduler(self, c: Checker) -> None:
-        try:  # imported here: optim may import ort_trainer, and options must not require it otherwise
-            from ort_trainer.optim.lr_scheduler import LRScheduler as scheduler_cls
-        except ImportError as error:
-            c.fail("lr_scheduler", f"cannot check {self.lr_scheduler!r}: optim.lr_scheduler: {error}", is_type=True)
-            return
-        c.instance("lr_scheduler", scheduler_cls, "an optim.lr_scheduler._LRScheduler")
+        from ort_trainer.optim.lr_scheduler import LRScheduler  # imported here: only when a scheduler is given
+
+        c.instance("lr_scheduler", LRScheduler, "an optim.lr_scheduler._LRScheduler")
 
 
 def _gt1(value: int) -> bool:
