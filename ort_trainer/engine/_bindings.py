@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ort_trainer.graph._names import canonical_name
+from ort_trainer.graph import canonical_name
 
 __all__ = ["BindingGuard", "ModuleLinks", "link_module"]
 

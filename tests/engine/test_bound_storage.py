@@ -64,9 +64,9 @@ def test_storage_moved_in_place_is_followed_and_training_stays_equal_to_torch(mo
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     batches = cnn_batches(5)
     _lockstep(trainer, reference, batches[:2], opt)
-    before = trainer._trainer_state.store.params.data_ptr()
+    before = trainer.trainer_state.store.params.data_ptr()
     move(model)
-    assert trainer._trainer_state.store.params.data_ptr() != before  # the flat buffer itself moved
+    assert trainer.trainer_state.store.params.data_ptr() != before  # the flat buffer itself moved
     assert model.conv.weight.is_shared()
     _lockstep(trainer, reference, batches[2:], opt)
     evaluated = trainer.eval_step(*batches[0])

@@ -1,6 +1,6 @@
 """An ``ort_trainer.hf.Trainer`` run SIGKILLed at one phase of its save of ``checkpoint-4`` (tests/hf/test_resume.py).
 
-``python -m tests.hf_kill_worker OUTPUT_DIR PHASE`` trains the run of the resume tests (6 updates, a save every
+``python -m tests.hf.hf_kill_worker OUTPUT_DIR PHASE`` trains the run of the resume tests (6 updates, a save every
 2, ``save_total_limit=1``) and kills itself with SIGKILL at PHASE of the save at update 4, as a preempted job
 dies: no exception handler, no ``atexit``. HF's save writes the weights (``save_model``), ours
 (``ort_trainer.ortcp``), the random state, ``trainer_state.json`` (last), then rotates old folders out.

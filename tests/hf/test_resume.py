@@ -149,7 +149,7 @@ def test_resume_checks_read_only_the_counters_of_our_file(full_run):
 
 
 def _phases() -> tuple[str, ...]:
-    from tests.hf_kill_worker import PHASES
+    from tests.hf.hf_kill_worker import PHASES
 
     return PHASES
 
@@ -167,7 +167,7 @@ def test_a_run_killed_at_any_phase_of_a_save_resumes_bit_exact(full_run, tmp_pat
     _, losses, weights = full_run
     root = Path(__file__).resolve().parents[2]
     env = {**__import__("os").environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-m", "tests.hf_kill_worker", str(tmp_path), phase], cwd=root, env=env,
+    done = subprocess.run([sys.executable, "-m", "tests.hf.hf_kill_worker", str(tmp_path), phase], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == -9, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
     resumed = _trainer(tmp_path, save_total_limit=1)
