@@ -7,6 +7,7 @@ and do not count. Module names are the installed ones (``ort_trainer.checkpoint.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from tests.paths import REPO
 _ROOTS = {"ort_trainer": REPO / "ort_trainer", **{f"ort_trainer.{p}": REPO / p for p in ("checkpoint", "optim", "amp")}}
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     found = {}
     for package, folder in _ROOTS.items():
@@ -105,6 +107,7 @@ def _folder_of(module: str) -> str:
     return max((p for p in _ROOTS if module == p or module.startswith(p + ".")), key=len)
 
 
+@functools.cache
 def _room_of(module: str) -> str:
     """The room a module lives in: the first sub-package of its top-level folder (``ort_trainer.engine``,
     ``ort_trainer.checkpoint.io``), or the folder itself for its flat modules (``trainer.py``, ``optim/*``)."""
@@ -128,6 +131,7 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+@functools.cache
 def _package_all(module: str) -> set[str] | None:
     path = _modules()[module]
     for node in ast.parse(path.read_text()).body:
