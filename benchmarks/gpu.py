@@ -43,7 +43,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import BETAS, EPS, LR, WEIGHT_DECAY
+from benchmarks._common import BETAS, EPS, LR, WEIGHT_DECAY, torch_step
 from benchmarks._hf import SCALE_MODELS, scale_spec
 from ort_trainer import ORTTrainer, optim
 
@@ -216,17 +216,7 @@ def _build(name: str, args):
     first = _on_gpu(spec.batches(1)[0])
     start = time.perf_counter()
     if base.startswith("pytorch"):
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True
-        )  # fmt: skip
-
-        def step(batch):
-            *inputs, label = batch
-            opt.zero_grad(set_to_none=True)
-            loss = spec.loss_fn(model(*inputs), label)
-            loss.backward()
-            opt.step()
-            return loss
+        step = torch_step(spec, model, copy_model=False)  # eager + fused AdamW, as benchmarks/scale.py
     else:
         trainer = ORTTrainer(
             model,
