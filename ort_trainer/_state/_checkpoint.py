@@ -146,29 +146,51 @@ def load_trainer_checkpoint(
 def _load_local(
     trainer: TrainerState, paths: Sequence, *, strict: bool, allow_pickle: bool, stateful: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    if _is_partitioned_set(paths):
-        full = checkpoint.aggregate_checkpoints(list(paths) if len(paths) > 1 else paths[0])
-        if isinstance(full.get(S.OBJECTS_KEY), Mapping):
-            _refuse_objects(paths[0], full[S.OBJECTS_KEY])
-        sections = _own_sections(trainer, full)
-        user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, paths[0])
-        undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(paths[0]))
-        _undo_on_error(undo, load_trainer_state_dict, trainer, full, strict=strict)
-        return user_dict
+    """A single file is opened once (its topology is read from that open file): a manager that prunes it after
+    the open cannot make the load fail. A per-rank set (several files, a manifest, or one rank's file) is
+    aggregated to the full state first."""
+    if len(paths) > 1 or is_manifest(paths[0]):
+        return _load_set(trainer, paths, strict=strict, allow_pickle=allow_pickle, stateful=stateful)
     with checkpoint.open_checkpoint(paths[0]) as reader:
-        reader.verify()
-        if S.OBJECTS_KEY in reader.keys():
-            _refuse_objects(reader.path, reader.tree_info((S.OBJECTS_KEY,)))
-        sections = _own_sections(trainer, {k: reader.read(k) for k in _SECTION_KEYS if k in reader.keys()})
-        user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, reader.path)
-        undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(reader.path))
-        if trainer.engine is None or trainer.engine.zero is not None or trainer.horizontal is not None:
-            tree = reader.read()
-            for key in _SECTION_KEYS:
-                tree.pop(key, None)
-            _undo_on_error(undo, load_trainer_state_dict, trainer, tree, strict=strict)
-            return user_dict
-        _undo_on_error(undo, _load_into_engine, trainer, reader, strict)
+        if not _is_rank_file(reader, paths[0]):
+            return _load_file(trainer, reader, strict=strict, allow_pickle=allow_pickle, stateful=stateful)
+    return _load_set(trainer, paths, strict=strict, allow_pickle=allow_pickle, stateful=stateful)
+
+
+def _load_set(
+    trainer: TrainerState, paths: Sequence, *, strict: bool, allow_pickle: bool, stateful: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    full = checkpoint.aggregate_checkpoints(list(paths) if len(paths) > 1 else paths[0])
+    if isinstance(full.get(S.OBJECTS_KEY), Mapping):
+        _refuse_objects(paths[0], full[S.OBJECTS_KEY])
+    sections = _own_sections(trainer, full)
+    user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, paths[0])
+    undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(paths[0]))
+    _undo_on_error(undo, load_trainer_state_dict, trainer, full, strict=strict)
+    return user_dict
+
+
+def _load_file(
+    trainer: TrainerState,
+    reader: checkpoint.CheckpointReader,
+    *,
+    strict: bool,
+    allow_pickle: bool,
+    stateful: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    reader.verify()
+    if S.OBJECTS_KEY in reader.keys():
+        _refuse_objects(reader.path, reader.tree_info((S.OBJECTS_KEY,)))
+    sections = _own_sections(trainer, {k: reader.read(k) for k in _SECTION_KEYS if k in reader.keys()})
+    user_dict = _decode(sections[S.USER_DICT_KEY], allow_pickle, reader.path)
+    undo = load_stateful(stateful, sections[S.STATEFUL_KEY], str(reader.path))
+    if trainer.engine is None or trainer.engine.zero is not None or trainer.horizontal is not None:
+        tree = reader.read()
+        for key in _SECTION_KEYS:
+            tree.pop(key, None)
+        _undo_on_error(undo, load_trainer_state_dict, trainer, tree, strict=strict)
+        return user_dict
+    _undo_on_error(undo, _load_into_engine, trainer, reader, strict)
     return user_dict
 
 
@@ -200,15 +222,13 @@ def _refuse_objects(path: Any, objects: Mapping) -> None:
     )
 
 
-def _is_partitioned_set(paths: Sequence[str | os.PathLike]) -> bool:
-    if len(paths) > 1 or is_manifest(paths[0]):
-        return True
-    with checkpoint.open_checkpoint(paths[0], verify=False) as reader:
-        if S.TRAINER_OPTIONS_KEY not in reader.keys():
-            return False
-        options = reader.read(S.TRAINER_OPTIONS_KEY)
+def _is_rank_file(reader: checkpoint.CheckpointReader, path: Any) -> bool:
+    """One rank's file of a ZeRO (W > 1) or Megatron set: it loads through aggregation, not on its own."""
+    if S.TRAINER_OPTIONS_KEY not in reader.keys():
+        return False
+    options = reader.read(S.TRAINER_OPTIONS_KEY)
     zero, world, horizontal = (
-        _topology_value(options, key, default, paths[0])
+        _topology_value(options, key, default, path)
         for key, default in ((S.ZERO_STAGE_KEY, 0), (S.WORLD_SIZE_KEY, 1), (S.HORIZONTAL_PARALLEL_SIZE_KEY, 1))
     )
     return (zero > 0 and world > 1) or horizontal > 1

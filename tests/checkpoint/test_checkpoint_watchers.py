@@ -59,6 +59,30 @@ def test_a_checkpoint_removed_right_after_it_was_opened_still_loads(tmp_path, mo
     assert torch.equal(got["model"]["full_precision"]["fc1.weight"], expected["model"]["full_precision"]["fc1.weight"])
 
 
+def test_a_trainer_loads_a_checkpoint_removed_right_after_it_was_opened(tmp_path, monkeypatch):
+    """``trainer.load_checkpoint`` (what ``restore`` calls) opens the file once: a prune after that open
+    cannot make the load fail (it had peeked at the file's topology, closed it, and opened the name again)."""
+    path = tmp_path / "ckpt.ortcp"
+    trainer = _trained(2)
+    trainer.save_checkpoint(path)
+    real_open = _h5_reader.open_h5
+    opens: list[str] = []
+
+    def open_then_prune(p, verify):
+        opened = real_open(p, verify)
+        opens.append(str(p))
+        os.unlink(p)  # a keep_last=1 manager pruned it: the name is gone, the open file is whole
+        return opened
+
+    monkeypatch.setattr(_h5_reader, "open_h5", open_then_prune)
+    watcher = mlp_trainer(seed=3)
+    watcher.load_checkpoint(path)
+    assert len(opens) == 1
+    got, want = watcher.state_dict(pytorch_format=True), trainer.state_dict(pytorch_format=True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert watcher.train_step_info.optimization_step == trainer.train_step_info.optimization_step
+
+
 def test_a_checkpoint_removed_before_it_was_opened_is_not_found(tmp_path):
     with pytest.raises(checkpoint.CheckpointNotFoundError, match="ckpt.ortcp"):
         checkpoint.load(tmp_path / "ckpt.ortcp")
