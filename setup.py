@@ -109,7 +109,10 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
         description="Train PyTorch or ONNX models on ONNX Runtime; HDF5 checkpoints with ZeRO/Megatron aggregation.",
         long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
         long_description_content_type="text/markdown",
-        license_expression="MIT",  # SPDX (PEP 639); compatible with ONNX Runtime (MIT) and PyTorch (BSD-3-Clause)
+        # MIT: compatible with ONNX Runtime (MIT) and PyTorch (BSD-3-Clause). `license=` writes the `License:` field
+        # that `pip show` prints on the pip Python 3.11 ships; PEP 639's `license_expression` would replace it with
+        # `License-Expression`, which that pip does not show (setuptools writes one or the other, not both)
+        license="MIT",
         license_files=["LICENSE"],
         classifiers=[
             "Programming Language :: Python :: 3",
