@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
     from . import amp, checkpoint, optim
     from ._state import StateDictOptions
     from .config import ORTTrainerOptions
+    from .engine import init_process_group
     from .module import ORTModule
     from .train_step_info import TrainStepInfo
     from .trainer import ORTTrainer
@@ -42,6 +43,7 @@ __all__ = [
     "TrainStepInfo",
     "amp",
     "checkpoint",
+    "init_process_group",
     "optim",
 ]
 __version__ = "0.1.0"
@@ -52,6 +54,7 @@ _LAZY = {
     "ORTTrainerOptions": ".config",
     "StateDictOptions": "._state",
     "TrainStepInfo": ".train_step_info",
+    "init_process_group": ".engine",
 }
 _SUBPACKAGES = ("amp", "checkpoint", "optim")
 

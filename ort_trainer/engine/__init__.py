@@ -26,7 +26,7 @@ from __future__ import annotations
 from ._assembly import assemble_trainer_state
 from ._autograd_build import check_autograd_supported
 from ._build import BuildRequest, Engine, session_options_for
-from ._distributed import DistributedContext, buckets
+from ._distributed import DistributedContext, buckets, init_process_group
 from ._fork_safety import track
 from ._protocols import GraphSource, ModelParallel, ModelParallelFactory
 from ._random import agreed_run_seed
@@ -50,6 +50,7 @@ __all__ = [
     "ParamStore",
     "TrainerState",
     "agreed_run_seed",
+    "init_process_group",
     "buckets",
     "build_engine",
     "build_store",

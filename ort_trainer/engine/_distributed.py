@@ -10,13 +10,20 @@ Teardown: a default process group that ort_trainer created is destroyed when the
 is closed (`DistributedContext.close`), or else at interpreter exit (an ``atexit`` hook), while Python is
 still whole: left to interpreter finalization, gloo's worker threads abort the process
 ("terminate called without an active exception"). A group the user created is never destroyed by us.
+
+Elastic restarts: under torchrun the group is created in a namespace of the agent's store that only the
+ranks of this incarnation use (`_incarnation_store`): torch reuses that store across restarts with the
+killed incarnation's keys still in it. ``init_process_group`` offers the same to a custom loop.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
+import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -27,7 +34,9 @@ import torch.distributed as dist
 from ort_trainer.checkpoint import PartitionInfo
 from ort_trainer.optim import FlatLayout, FlatOptimizer
 
-__all__ = ["DistributedContext", "ShardedOptimizer", "ZeroPartition"]
+__all__ = ["DistributedContext", "ShardedOptimizer", "ZeroPartition", "init_process_group"]
+
+logger = logging.getLogger("ort_trainer")
 
 _ALIGNMENT_PER_RANK = 32  # legacy: the flat buffer is padded to a multiple of D * 32
 _BUCKET_NUMEL = 8 * 1024 * 1024  # 32 MB of float32 per collective
@@ -106,10 +115,111 @@ def _ensure_process_group(rank: int, world_size: int, device: torch.device) -> b
             f"world_size={world_size} needs a process group: launch with torchrun, or set {missing} "
             "(and RANK/WORLD_SIZE), or call torch.distributed.init_process_group before creating the trainer"
         )
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    _init_default_group("nccl" if device.type == "cuda" else "gloo", rank, world_size)
     _OwnedGroup.adopt(dist.group.WORLD)
     return True
+
+
+def init_process_group(backend: str | None = None) -> None:
+    """Create torch's default process group from torchrun's environment, so that elastic restarts work.
+
+    For a custom loop (``DistributedDataParallel(ORTModule(m))``) in place of
+    ``torch.distributed.init_process_group(backend)``: under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``)
+    the ranks of each incarnation agree on a fresh namespace in the agent's store first (see
+    :func:`_incarnation_store`), so a rank restarted after a crash or a preemption never reads what the
+    killed incarnation left there. Elsewhere (``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` set by
+    hand) it is torch's call. ``backend``: "gloo" or "nccl" (default: "nccl" when CUDA is available, else
+    "gloo"). The group is yours: destroy it with ``torch.distributed.destroy_process_group()``. ORTTrainer
+    creates its group this way by itself.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if dist.is_initialized():
+        raise RuntimeError("the default process group is already initialized (destroy it first to create another)")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_process_group needs torchrun's environment: {missing} not set (launch with torchrun)")
+    _init_default_group(backend, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+
+
+def _init_default_group(backend: str, rank: int, world_size: int) -> None:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = _incarnation_store(rank, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+# How long the ranks of one incarnation wait for each other to agree on a namespace (torchrun starts them
+# together, after its rendezvous): as long as torchrun's own rendezvous join timeout.
+_HANDSHAKE_TIMEOUT_S = 600.0
+_HANDSHAKE_POLL_S = 0.02
+
+
+def _incarnation_store(rank: int, world_size: int, timeout_s: float | None = None):
+    """The torchrun agent's store, under a namespace that only this incarnation of the ranks uses.
+
+    Under torchrun's c10d rendezvous the workers' store (``TORCHELASTIC_USE_AGENT_STORE=True``) is hosted
+    by the agent of node rank 0 and outlives the workers: torch (2.5 on, pytorch#135712; 2.13 here)
+    reuses it across restarts without a per-restart prefix, so after a rank is killed and the group
+    restarted, a rank can read its peer's address left by the previous incarnation ("Gloo
+    connectFullMesh failed ... Connection refused"), or wait on keys that will never change. Here rank 0
+    picks a fresh token and hands it to every other rank by a handshake no leftover key can satisfy:
+    rank r announces a fresh nonce, rank 0 answers ``nonce:token``, rank r confirms ``nonce:token``.
+    The default group (and every group made from it) then lives under ``ort_trainer/<token>/``.
+    """
+    timeout_s = _HANDSHAKE_TIMEOUT_S if timeout_s is None else timeout_s
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    root = "ort_trainer/incarnation"
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        token = uuid.uuid4().hex
+        acked: dict[int, str] = {}
+        pending = set(range(1, world_size))
+        while pending:
+            for peer in sorted(pending):
+                nonce = _get_if_set(base, f"{root}/join/{peer}")
+                if nonce is not None and acked.get(peer) != nonce:
+                    base.set(f"{root}/ack/{peer}", f"{nonce}:{token}")
+                    acked[peer] = nonce
+                if peer in acked and _get_if_set(base, f"{root}/confirm/{peer}") == f"{acked[peer]}:{token}":
+                    pending.discard(peer)
+            if pending:
+                _wait_or_raise(deadline, timeout_s, f"ranks {sorted(pending)} did not join")
+    else:
+        nonce = uuid.uuid4().hex
+        base.set(f"{root}/join/{rank}", nonce)
+        while True:
+            answer = _get_if_set(base, f"{root}/ack/{rank}")
+            if answer is not None and answer.startswith(f"{nonce}:"):
+                token = answer.split(":", 1)[1]
+                base.set(f"{root}/confirm/{rank}", answer)
+                break
+            _wait_or_raise(deadline, timeout_s, "rank 0 did not answer")
+    logger.debug("rank %d of %d: process group namespace ort_trainer/%s", rank, world_size, token)
+    return dist.PrefixStore(f"ort_trainer/{token}", base)
+
+
+def _get_if_set(store, key: str) -> str | None:
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def _wait_or_raise(deadline: float, timeout_s: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise RuntimeError(
+            f"torchrun's ranks did not meet within {timeout_s:g} s ({what}) at MASTER_ADDR="
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: a rank did not start, or "
+            "the agents disagree on the rendezvous"
+        )
+    time.sleep(_HANDSHAKE_POLL_S)
 
 
 class _OwnedGroup:

@@ -198,3 +198,66 @@ def test_bad_distributed_saves_fail_on_every_rank_without_hanging(tmp_path):
     path = tmp_path / "ck.ortcp"
     launch(2, tmp_path / "b", "--stop", 2, "--save", path)
     launch(2, tmp_path / "c", "--stop", 2, "--save", path, "--expect-save-error", "already exists")
+
+
+def test_init_process_group_refuses_bad_input(monkeypatch):
+    import ort_trainer
+
+    with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
+        ort_trainer.init_process_group("mpi")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="launch with torchrun"):
+        ort_trainer.init_process_group("gloo")
+
+
+def test_torchrun_store_handshake_ignores_the_keys_of_a_killed_incarnation(monkeypatch):
+    """torchrun's agent store keeps the keys of the incarnation a restart replaced (issue S item 8): the ranks of
+    the new one must agree on a fresh namespace whatever they find there, whichever rank comes first."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from ort_trainer.engine import _distributed
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    root = "ort_trainer/incarnation"
+    for key, value in [("join/1", "old"), ("ack/1", "old:oldtoken"), ("confirm/1", "old:oldtoken")]:
+        server.set(f"{root}/{key}", value)  # what the killed incarnation left
+    for first in (0, 1):
+        stores, errors = {}, []
+
+        def rank(r, delay, stores=stores, errors=errors):
+            time.sleep(delay)
+            try:
+                stores[r] = _distributed._incarnation_store(r, 2, timeout_s=30)
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r, 0.0 if r == first else 0.3)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and set(stores) == {0, 1}, errors
+        stores[0].set("probe", f"first={first}")
+        assert stores[1].get("probe") == f"first={first}".encode()  # one namespace...
+        assert not server.check(["ort_trainer/oldtoken/probe"])  # ...not the killed incarnation's
+        assert server.get(f"{root}/confirm/1").decode().split(":")[1] != "oldtoken"
+
+
+def test_torchrun_store_handshake_without_rank_0_is_a_clear_error(monkeypatch):
+    import torch.distributed as dist
+
+    from ort_trainer.engine import _distributed
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841 (kept alive)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(RuntimeError, match="did not meet within"):
+        _distributed._incarnation_store(1, 2, timeout_s=0.5)
