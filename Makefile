@@ -11,8 +11,14 @@ OB_PY := $(OB_VENV)/bin/python
 OB_STAMP := $(OB_VENV)/.installed
 # the stock venv has no onnxruntime-training: tests that mean the onnxblock engine run in .venv-onnxblock
 STOCK := not onnxblock
+# pytest-xdist workers: one per core, at most 4 (each imports torch, transformers and a runtime: ~1 GB). Most tests
+# spend their time in one Python thread (export, graph building, HDF5), so 2 workers on 2 cores take ~0.7x the
+# wall time of one. `make test WORKERS=0` runs in one process (pytest's own output, pdb).
+WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+XDIST := -n $(WORKERS) --dist worksteal
+LONG := (slow or faults or zoo or hf_long)
 
-.PHONY: test test-slow test-faults test-zoo test-hf test-onnxblock test-install demo lint bench clean
+.PHONY: test test-long test-slow test-faults test-zoo test-hf test-onnxblock test-install demo lint bench clean
 
 # A venv is rebuilt from scratch when its lock changes: installing one runtime over the other is never an upgrade.
 $(STAMP): requirements.txt setup.py
@@ -36,30 +42,33 @@ $(OB_STAMP): requirements-onnxblock.txt setup.py
 # `make test-hf` runs the long ort_trainer.hf comparisons; `make test-onnxblock` runs the suite and the zoo
 # in the onnxruntime-training venv (CI runs all five).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
+
+# CI's one session for the four long targets below (one collection; workers stay busy to the end)
+test-long: $(STAMP)
+	$(PY) -m pytest -q $(XDIST) -m "$(LONG) and not install and $(STOCK)" tests
 
 # the tests of the main suite that take over ~10 s each (tests/conftest.py SLOW_TESTS)
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
 
 test-faults: $(STAMP)
-	$(PY) -m pytest -q -m "faults and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "faults and $(STOCK)" tests
 
 test-zoo: $(STAMP)
-	$(PY) -m pytest -q -m "zoo and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "zoo and $(STOCK)" tests
 
 # ort_trainer.hf.Trainer against transformers.Trainer: 2 ranks, the sample, more LR schedules; ORTModule on 4 ranks
 # and samples/custom_loop.py killed and resumed (a few minutes)
 test-hf: $(STAMP)
-	$(PY) -m pytest -q -m "hf_long and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "hf_long and $(STOCK)" tests
 
 # onnxruntime-training: the main suite (its default engine there is onnxblock) and the onnxblock zoo (the
 # autograd zoo runs in `make test-zoo`); tests/checkpoint (files, sets, storage: no graph) runs in `make test` only,
 # and the slow tests (multi-rank runs, samples, fresh-process resumes) in `make test-slow` only, unless they mean
 # the onnxblock engine
 test-onnxblock: $(OB_STAMP)
-	$(OB_PY) -m pytest -q -m "not faults and not hf_long and not install and not (zoo and not onnxblock) and not (slow and not onnxblock)" --ignore=tests/checkpoint tests
-	$(OB_PY) -m pytest -q -m "onnxblock" tests/checkpoint
+	$(OB_PY) -m pytest -q $(XDIST) -m "not faults and not hf_long and not install and not (zoo and not onnxblock) and not (slow and not onnxblock) and not (checkpoint_package and not onnxblock)" tests
 
 # `pip install .` from clean venvs against the package index: stock only, onnxruntime-training only, switching
 test-install: $(STAMP)

@@ -89,6 +89,7 @@ EXTRAS_REQUIRE = {
     # everything `make test` / `make lint` need on top of the above (versions locked by requirements.txt)
     "dev": [
         "pytest>=9.2",
+        "pytest-xdist>=3.8",
         "ruff>=0.17.6",
         "safetensors>=0.8.0,<1",
         "matplotlib>=3.11.2",

@@ -158,6 +158,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.onnxblock)
         if test in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+        if relative.startswith("checkpoint/"):
+            item.add_marker(pytest.mark.checkpoint_package)
 
 
 def pytest_configure(config: pytest.Config) -> None:

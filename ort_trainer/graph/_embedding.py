@@ -24,21 +24,28 @@ from torch.onnx import symbolic_helper as sh
 
 from ._no_gradient import active, no_gradient_copy
 
-__all__ = ["check_embedding_modules", "embedding_symbolic"]
+__all__ = ["check_embedding_modules", "embedding_symbolic", "refuse_max_norm"]
+
+
+def refuse_max_norm(model: torch.nn.Module) -> None:
+    """Refuse ``nn.Embedding(max_norm=...)`` (both engines): the forward writes the weight, which a graph cannot."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module.max_norm is not None:
+            raise ValueError(
+                f"{name or 'the model'} ({type(module).__name__}) has max_norm={module.max_norm}: torch renormalises "
+                "the rows it looks up in the weight itself, in place, on every forward pass, which a training graph "
+                "cannot do; build the embedding with max_norm=None (renormalise the weight yourself between steps "
+                "if you need it)"
+            )
 
 
 def check_embedding_modules(model: torch.nn.Module) -> None:
     """Refuse the ``nn.Embedding`` attributes whose torch backward (or in-place forward) the graph cannot give."""
+    refuse_max_norm(model)
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Embedding):
             continue
         where = f"{name or 'the model'} ({type(module).__name__})"
-        if module.max_norm is not None:
-            raise ValueError(
-                f"{where} has max_norm={module.max_norm}: torch renormalises the rows it looks up in the weight "
-                "itself, in place, on every forward pass, which a training graph cannot do; build the embedding "
-                "with max_norm=None (renormalise the weight yourself between steps if you need it)"
-            )
         if module.scale_grad_by_freq:
             raise ValueError(
                 f"{where} has scale_grad_by_freq=True: torch divides each row's gradient by how often the row "

@@ -25,7 +25,7 @@ from tests.ranks import free_port
 pytestmark = [pytest.mark.faults, pytest.mark.processes]  # SIGKILL loops: part of `make test-faults`
 
 REPO = Path(__file__).resolve().parents[2]
-KILLS = 20
+KILLS = 12  # random kill moments per test (each round 5-10 s: a fresh trainer, a save, a kill, a full verify)
 
 
 class _Helper:

@@ -193,13 +193,16 @@ def test_padded_bert_batches_give_torchs_gradients(engine):
 
 
 # ----------------------------------------------------------------------------- other nn.Embedding attributes
-@pytest.mark.onnxblock  # the autograd engine cannot trace a sparse gradient yet (data-dependent shapes)
-def test_sparse_embeddings_get_torchs_gradient_dense():
-    engine = "onnxblock"
+def test_sparse_embeddings_get_torchs_gradient_dense(engine):
+    """``Embedding(sparse=True)``: the sparse gradient, summed into the dense weight our optimizers update. The
+    autograd engine traces it as the dense backward (the sparse one has a data-dependent shape)."""
     got, _ = assert_gradients_match(
         _bag(sparse=True, padding_idx=0), IDS_DESC, F.cross_entropy, IDS, LABELS, engine=engine
     )
     assert torch.count_nonzero(got["emb.weight"][0]) == 0
+    model = _bag(sparse=True)
+    _trainer(model, IDS_DESC, F.cross_entropy, engine).train_step(IDS, LABELS)
+    assert model.emb.sparse  # the user's module is as they built it
 
 
 @pytest.mark.onnxblock
@@ -210,6 +213,46 @@ def test_embedding_attributes_the_graph_cannot_give_are_refused_naming_the_modul
     trainer = _trainer(_bag(**{attribute: value}), IDS_DESC, F.cross_entropy)
     with pytest.raises(ValueError, match=rf"^emb \(Embedding\) has {attribute}={value}: .*{attribute}"):
         trainer.train_step(IDS, LABELS)
+
+
+def test_the_autograd_engine_gives_torchs_gradient_for_scale_grad_by_freq():
+    """The autograd engine traces torch's own backward: what the onnxblock engine refuses trains as in torch."""
+    assert_gradients_match(_bag(scale_grad_by_freq=True), IDS_DESC, F.cross_entropy, IDS, LABELS, engine="autograd")
+
+
+class _RenormedTable(torch.nn.Module):
+    """``F.embedding(..., max_norm=1.0)``, or a forward that clamps a parameter in place itself."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.table = torch.nn.Parameter(torch.randn(10, 4) * 3)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        if self.how == "functional":
+            rows = F.embedding(ids, self.table, max_norm=1.0)
+        else:
+            with torch.no_grad():
+                self.table.clamp_(-1.0, 1.0)
+            rows = F.embedding(ids, self.table)
+        return self.head(rows.mean(1))
+
+
+@pytest.mark.parametrize("how", ["module", "functional", "in-place"])
+def test_a_forward_that_writes_a_parameter_is_refused_by_the_autograd_engine(how):
+    """torch renormalises (``max_norm``) or clamps the parameter itself during forward; a graph that only returns
+    gradients would silently skip that write (the weight was 1.23 off torch's after one SGD step): refused,
+    naming the parameter, before any step runs."""
+    torch.manual_seed(0)
+    model = _bag(max_norm=1.0) if how == "module" else _RenormedTable(how)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(model, IDS_DESC, F.cross_entropy, engine="autograd")
+    name = "emb" if how == "module" else "table"
+    expected = r"emb \(Embedding\) has max_norm=1.0" if how == "module" else rf"writes the parameter {name!r} in place"
+    with pytest.raises(ValueError, match=expected):
+        trainer.train_step(IDS, LABELS)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 @pytest.mark.onnxblock

@@ -30,6 +30,7 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ort_trainer.config.model_desc import ModelDescription
+from ort_trainer.graph._embedding import refuse_max_norm
 from ort_trainer.graph._forward import ModelWithLoss, OutputContractError, OutputContractTypeError
 from ort_trainer.graph._names import outer_module, plain_module
 
@@ -137,7 +138,8 @@ def trace_graph(
     read). Buffers that are not float (position ids, ``num_batches_tracked``) are taken from the module.
     ``training``: the joint forward + backward graph in train mode, else the forward in eval mode.
     """
-    with plain_module(outer_module(model)) as plain, _modes_restored(plain):
+    with plain_module(outer_module(model)) as plain, _modes_restored(plain), _dense_embedding_gradients(plain):
+        refuse_max_norm(plain)
         wrapper = ModelWithLoss(plain, loss_fn, desc).train(training)
         known = set(trainable) | set(frozen)
         # every other buffer (ints, and float buffers outside the state dict: non-persistent ones such as rotary
@@ -152,6 +154,7 @@ def trace_graph(
         what = f"the {'training' if training else 'eval'} graph of {type(plain).__name__}"
         with _explained(what), torch.enable_grad(), _math_attention():
             module = make_fx(function, decomposition_table=training_decompositions(), tracing_mode="fake")(*sample)
+    _refuse_parameter_writes(module, list(trainable))
     outputs = list(desc.output_names)
     if training:
         outputs += [n + GRAD_SUFFIX for n in result["trained"]]
@@ -258,6 +261,59 @@ def _modes_restored(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+def _refuse_parameter_writes(module: torch.fx.GraphModule, trainable: list[str]) -> None:
+    """A forward that writes a trainable parameter in place (``F.embedding(max_norm=...)``'s renorm, a
+    ``clamp_`` under ``no_grad``): the graph returns gradients, not parameters, so the write would be lost and
+    the run would silently leave torch's. Refused, naming the parameter and the op."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"][: len(trainable)]
+    names = dict(zip(placeholders, trainable, strict=True))
+    for node in module.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for argument, value in zip(schema.arguments, node.args, strict=False):
+            if argument.alias_info is None or not argument.alias_info.is_write or not isinstance(value, torch.fx.Node):
+                continue
+            root = _alias_root(value)
+            if root in names:
+                raise ValueError(
+                    f"the forward writes the parameter {names[root]!r} in place ({schema.name}, e.g. "
+                    "F.embedding(..., max_norm=...) or an in-place op under torch.no_grad()): a training graph "
+                    "returns gradients, so the write would be lost; write the parameter between steps instead, "
+                    "outside the forward"
+                )
+
+
+def _alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor ``node`` is a view or alias of (``detach``, ``view``, ``t``, ...), followed to its source."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        first = schema.arguments[0] if schema is not None and schema.arguments else None
+        if first is None or first.alias_info is None or first.alias_info.is_write:
+            break
+        if not node.args or not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+@contextlib.contextmanager
+def _dense_embedding_gradients(module: torch.nn.Module) -> Iterator[None]:
+    """Trace ``Embedding`` / ``EmbeddingBag(sparse=True)`` with the dense backward, then put ``sparse`` back.
+
+    The sparse gradient's shape depends on the ids (one row per lookup), which one graph cannot hold; summed
+    into the weight it is the dense gradient, and our optimizers update a dense flat buffer anyway (as the
+    onnxblock engine does). The forward is the same either way."""
+    flipped = [m for m in module.modules() if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse]
+    for m in flipped:
+        m.sparse = False
+    try:
+        yield
+    finally:
+        for m in flipped:
+            m.sparse = True
 
 
 @contextlib.contextmanager
