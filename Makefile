@@ -72,7 +72,7 @@ test-onnxblock: $(OB_STAMP)
 
 # `pip install .` from clean venvs against the package index: stock only, onnxruntime-training only, switching
 test-install: $(STAMP)
-	$(PY) -m pytest -q -m install tests
+	$(PY) -m pytest -q $(XDIST) -m "install and $(STOCK)" tests
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py
