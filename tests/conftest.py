@@ -3,10 +3,14 @@ so that spawned worker scripts and helper modules can import them too; tests cal
 
 from __future__ import annotations
 
+import functools
+import itertools
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest.mark.expression import Expression
 
 from tests.builders import legacy_trainer_options
 
@@ -145,9 +149,28 @@ def _relative(path: Path) -> str:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if _relative(collection_path) in ONNXBLOCK_ONLY and "not onnxblock" in (config.option.markexpr or ""):
+    """Files that import onnxruntime-training are not even imported when the mark expression deselects every
+    onnxblock test (the stock venv's ``-m "... and not onnxblock"``)."""
+    if _relative(collection_path) in ONNXBLOCK_ONLY and _deselects_onnxblock(config.option.markexpr or ""):
         return True
     return None
+
+
+@functools.cache
+def _deselects_onnxblock(markexpr: str) -> bool:
+    """Whether ``markexpr`` is false for every test marked ``onnxblock``, whatever its other marks.
+
+    Not a substring test: ``not (zoo and not onnxblock)`` (test-onnxblock's expression) selects onnxblock tests,
+    and a substring match had kept the onnxblock-only files out of that target."""
+    if not markexpr.strip():
+        return False
+    expression = Expression.compile(markexpr)
+    others = sorted(set(re.findall(r"[A-Za-z_][\w-]*", markexpr)) - {"and", "or", "not", "onnxblock"})
+    for values in itertools.product((False, True), repeat=len(others)):
+        marks = {**dict(zip(others, values, strict=True)), "onnxblock": True}
+        if expression.evaluate(lambda name, _marks=marks, **_: _marks.get(name, False)):
+            return False
+    return True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
