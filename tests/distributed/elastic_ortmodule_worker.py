@@ -9,10 +9,7 @@ AdamW moments and losses to ``--out/rank<r>.h5`` and a line per incarnation to `
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
 import os
-import signal
 
 import torch
 import torch.distributed as dist
@@ -21,19 +18,12 @@ from torch.nn.parallel import DistributedDataParallel
 import ort_trainer
 from ort_trainer import ORTModule, checkpoint
 from ort_trainer.checkpoint import CheckpointManager
+from tests.distributed import elastic_rank
 from tests.models import MLP, mlp_batches
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dir", required=True, help="the CheckpointManager's directory")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--save-every", type=int, default=2)
-    parser.add_argument("--kill-step", type=int, default=0)
-    parser.add_argument("--kill-node", default="B")
-    args = parser.parse_args()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks before a timeout kill
+    args = elastic_rank.parse_args()
     ort_trainer.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -44,10 +34,7 @@ def main() -> None:
     manager = CheckpointManager(args.dir, keep_last=2, async_save=True)
     restored = manager.restore(state)
     start = restored.step if restored else 0
-    with open(os.path.join(args.out, f"events.rank{rank}"), "a") as f:
-        restart, node = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("ELASTIC_NODE")
-        f.write(f"start restored={start} restart={restart} node={node} pid={os.getpid()}\n")
-    marker = os.path.join(args.out, "killed")
+    elastic_rank.log_start(args, rank, start)
     losses = []
     for step, batch in enumerate(mlp_batches(args.steps, batch=12)[start:], start=start + 1):
         x, label = (t.chunk(world)[rank] for t in batch)
@@ -59,9 +46,7 @@ def main() -> None:
         losses.append(loss.item())
         if step % args.save_every == 0:
             manager.save(state, step)
-        if step == args.kill_step and os.environ.get("ELASTIC_NODE") == args.kill_node and not os.path.exists(marker):
-            open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        elastic_rank.kill_once_after(args, step)
     manager.wait()
     moments = {
         f"{name}.{key}": optimizer.state[p][key]

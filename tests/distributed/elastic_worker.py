@@ -10,28 +10,18 @@ incarnation to ``--out/events.rank<r>`` (restored step, restart count).
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
 import os
-import signal
 
 import torch
 
 from ort_trainer import ORTTrainer, checkpoint, optim
 from ort_trainer.checkpoint import CheckpointManager
+from tests.distributed import elastic_rank
 from tests.models import MLP, MLP_DESC, mlp_batches
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dir", required=True, help="the CheckpointManager's directory")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--save-every", type=int, default=2)
-    parser.add_argument("--kill-step", type=int, default=0)
-    parser.add_argument("--kill-node", default="B")
-    args = parser.parse_args()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks before a timeout kill
+    args = elastic_rank.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(100 + rank)  # different initial weights per rank: rank 0's are broadcast
     options = {"distributed": {"deepspeed_zero_optimization": {"stage": 1}}}
@@ -40,19 +30,14 @@ def main() -> None:
     manager = CheckpointManager(args.dir, keep_last=2, async_save=True)
     restored = manager.restore(trainer)
     start = restored.step if restored else 0
-    with open(os.path.join(args.out, f"events.rank{rank}"), "a") as f:
-        restart, node = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("ELASTIC_NODE")
-        f.write(f"start restored={start} restart={restart} node={node} pid={os.getpid()}\n")
-    marker = os.path.join(args.out, "killed")
+    elastic_rank.log_start(args, rank, start)
     losses = []
     for step, batch in enumerate(mlp_batches(args.steps, batch=12)[start:], start=start + 1):
         x, label = (t.chunk(world)[rank] for t in batch)
         losses.append(trainer.train_step(x, label).item())
         if step % args.save_every == 0:
             manager.save(trainer, step)
-        if step == args.kill_step and os.environ.get("ELASTIC_NODE") == args.kill_node and not os.path.exists(marker):
-            open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        elastic_rank.kill_once_after(args, step)
     manager.wait()
     state = {
         "weights": trainer.state_dict(pytorch_format=True),
