@@ -30,7 +30,7 @@ import torch
 from onnx import numpy_helper
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph.autograd import TracedGraph, TraceError
+from ort_trainer.graph.autograd import DISABLED_ORT_OPTIMIZERS, TracedGraph, TraceError
 
 from ._fork_safety import track
 from ._memory import release_freed_memory
@@ -59,7 +59,14 @@ class _ShapeSession:
         options, device = owner._session_options, owner._device
         with quiet_native_info_logs():
             try:
-                self.session = track(ort.InferenceSession(graphs.model.SerializeToString(), options, device.providers))
+                self.session = track(
+                    ort.InferenceSession(
+                        graphs.model.SerializeToString(),
+                        options,
+                        device.providers,
+                        disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
+                    )
+                )
             except Exception as error:  # noqa: BLE001 - ONNX Runtime's load errors are one class (Fail/InvalidGraph)
                 raise TraceError(
                     f"ONNX Runtime {ort.__version__} cannot load the exported {'training' if training else 'eval'} "

@@ -36,7 +36,14 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.engine import DeviceSpec, resolve_device, to_ortvalue
-from ort_trainer.graph.autograd import GraphCache, TracedGraph, TraceError, graph_to_onnx, lift_random_ops
+from ort_trainer.graph.autograd import (
+    DISABLED_ORT_OPTIMIZERS,
+    GraphCache,
+    TracedGraph,
+    TraceError,
+    graph_to_onnx,
+    lift_random_ops,
+)
 
 __all__ = ["OrtGraph", "session_options"]
 
@@ -246,7 +253,12 @@ def _folded_outputs(model: onnx.ModelProto, device: torch.device) -> list[torch.
 def _session(model: onnx.ModelProto, spec: DeviceSpec, kind: str) -> ort.InferenceSession:
     with quiet_native_info_logs():
         try:
-            return ort.InferenceSession(model.SerializeToString(), session_options(), spec.providers)
+            return ort.InferenceSession(
+                model.SerializeToString(),
+                session_options(),
+                spec.providers,
+                disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
+            )
         except Exception as error:  # noqa: BLE001 - ONNX Runtime's load errors are one class (Fail/InvalidGraph)
             raise TraceError(
                 f"ONNX Runtime {ort.__version__} cannot load the exported {kind} graph: "

@@ -3,7 +3,9 @@
 The exporter (``torch.onnx.export(..., dynamo=True)``, onnxscript's aten library) re-exports the traced
 graph with ``torch.export`` and translates each aten op; its own graph optimizer folds constants and
 removes dead code. Inputs and outputs get the names the trainer binds (state names, ``model_desc``
-names, ``<param>_grad``). The exporter's progress prints and warnings are kept out of the user's log.
+names, ``<param>_grad``); `fold_zero_scatter_adds` then scatters a tied embedding's gradient into its
+head's instead of into zeros (`_onnx_passes`). The exporter's progress prints and warnings are kept out
+of the user's log.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import warnings
 import onnx
 import torch
 
+from ._onnx_passes import fold_zero_scatter_adds
 from ._trace import TracedGraph, TraceError
 
 __all__ = ["graph_to_onnx"]
@@ -51,6 +54,7 @@ def graph_to_onnx(traced: TracedGraph) -> onnx.ModelProto:
             ) from error
     model = program.model_proto
     _check_names(model, traced)
+    fold_zero_scatter_adds(model)
     return model
 
 

@@ -1,0 +1,158 @@
+"""What the autograd engine's sessions hold: no folded blocks of zeros, no zeros scattered and then added.
+
+PyTorch's decompositions write an embedding's gradient as a scatter into a [vocab, d] tensor of zeros, and
+the loss's as a scatter into zeros the size of the logits. ONNX Runtime's constant folding kept those zeros
+as initializers for the session's life (200 MiB at GPT-2 124M), and a tied head added the zeros-based
+scatter to its own gradient (two [vocab, d] blocks alive where the activations peak). The gradients must
+stay PyTorch's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import numpy_helper
+
+from ort_trainer import ORTModule, ORTTrainer, optim
+from ort_trainer.graph.autograd import fold_zero_scatter_adds
+
+VOCAB, WIDTH, BATCH = 3000, 96, 16  # [vocab, d] and [tokens, vocab] above the exporter's folding limit
+DESC = {"inputs": [("ids", ["batch", 7]), ("label", ["batch", 7])], "outputs": [("loss", [], True)]}
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.mix = torch.nn.Linear(WIDTH, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+def lm_loss(logits, label):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), label.reshape(-1))
+
+
+def _batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, VOCAB, (BATCH, 7), generator=g), torch.randint(0, VOCAB, (BATCH, 7), generator=g))
+        for _ in range(n)
+    ]
+
+
+def test_a_tied_embedding_scatters_into_its_heads_gradient_and_trains_as_pytorch(tmp_path):
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    gradient_graph = tmp_path / "gradient.onnx"
+    trainer = ORTTrainer(
+        model,
+        DESC,
+        optim.SGDConfig(lr=0.5),
+        loss_fn=lm_loss,
+        options={
+            "utils": {"engine": "autograd", "grad_norm_clip": False, "graph_cache": False},
+            "debug": {"graph_save_paths": {"model_with_gradient_graph_path": str(gradient_graph)}},
+        },
+    )
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    batches = _batches(3)
+    batches[0][0][:, :3] = 5  # one row of the embedding gets several terms in one step
+    for ids, label in batches:
+        loss = trainer.train_step(ids, label)
+        opt.zero_grad()
+        expected = lm_loss(reference(ids), label)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-6)
+    state = trainer.state_dict(pytorch_format=True)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+    graph = onnx.load(str(gradient_graph)).graph
+    producers = {out: node for node in graph.node for out in node.output}
+    scatters = [n for n in graph.node if n.op_type == "ScatterND"]
+    (into_head,) = [n for n in scatters if n.output[0].endswith("emb.weight_grad")]
+    assert producers[into_head.input[0]].op_type in ("MatMul", "Gemm", "Transpose")  # the head's gradient
+    for node in graph.node:  # no zeros-based scatter is added to anything any more
+        if node.op_type == "Add":
+            assert all(producers.get(i) is None or producers[i].op_type != "ScatterND" for i in node.input), node
+
+
+def test_the_training_session_holds_no_folded_tensor_of_zeros(tmp_path):
+    optimized = tmp_path / "optimized.onnx"
+    trainer = ORTTrainer(
+        TiedLM(),
+        DESC,
+        optim.SGDConfig(lr=0.1),
+        loss_fn=lm_loss,
+        options={
+            "utils": {"engine": "autograd", "graph_cache": False},
+            "debug": {"graph_save_paths": {"model_with_training_graph_after_optimization_path": str(optimized)}},
+        },
+    )
+    trainer.train_step(*_batches(1)[0])
+    graph = onnx.load(str(optimized)).graph
+    sizes = {init.name: numpy_helper.to_array(init).nbytes for init in graph.initializer}
+    exporter_limit = 4 * 512 * 512  # onnxscript folds constants up to 512 * 512 elements itself
+    assert min(BATCH * 7 * VOCAB, VOCAB * WIDTH) * 4 > exporter_limit
+    assert max(sizes.values()) <= exporter_limit, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_fold_zero_scatter_adds_leaves_a_scatter_into_another_shape_alone():
+    """The rewrite needs the added tensor to have the scatter's shape and dtype: a broadcasting Add stays."""
+    zero = numpy_helper.from_array(torch.zeros(()).numpy(), "zero")
+    shape = numpy_helper.from_array(torch.tensor([4, 3]).numpy(), "shape")
+    nodes = [
+        onnx.helper.make_node("Expand", ["zero", "shape"], ["zeros"]),
+        onnx.helper.make_node("ScatterND", ["zeros", "idx", "upd"], ["scattered"], reduction="add"),
+        onnx.helper.make_node("Add", ["bias", "scattered"], ["out"]),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "g",
+        [
+            onnx.helper.make_tensor_value_info("idx", onnx.TensorProto.INT64, [2, 1]),
+            onnx.helper.make_tensor_value_info("upd", onnx.TensorProto.FLOAT, [2, 3]),
+            onnx.helper.make_tensor_value_info("bias", onnx.TensorProto.FLOAT, [3]),
+        ],
+        [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [4, 3])],
+        [zero, shape],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    assert fold_zero_scatter_adds(model) == 0
+    model.graph.input[2].CopyFrom(onnx.helper.make_tensor_value_info("bias", onnx.TensorProto.FLOAT, [4, 3]))
+    before = onnx.ModelProto()
+    before.CopyFrom(model)
+    assert fold_zero_scatter_adds(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["ScatterND"]
+    feeds = {
+        "idx": torch.tensor([[1], [1]]).numpy(),
+        "upd": torch.randn(2, 3).numpy(),
+        "bias": torch.randn(4, 3).numpy(),
+    }
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]  # noqa: E731
+    torch.testing.assert_close(torch.from_numpy(run(model)), torch.from_numpy(run(before)), rtol=1e-6, atol=1e-6)
+
+
+def test_ortmodule_sessions_leave_constant_folding_out(monkeypatch):
+    made = []
+    real = ort.InferenceSession
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("disabled_optimizers"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", recording)
+    torch.manual_seed(0)
+    model = ORTModule(TiedLM())
+    ids, label = _batches(1)[0]
+    lm_loss(model(ids), label).backward()
+    assert made and all(kinds == ["ConstantFolding"] for kinds in made), made
