@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 
+import numpy
 import onnx
 import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
 from ort_trainer import ORTModule, ORTTrainer, optim
-from ort_trainer.graph.autograd import fold_zero_scatter_adds
+from ort_trainer.graph.autograd import collapse_layout_chains, fold_zero_scatter_adds
 
 VOCAB, WIDTH, BATCH = 3000, 96, 16  # [vocab, d] and [tokens, vocab] above the exporter's folding limit
 DESC = {"inputs": [("ids", ["batch", 7]), ("label", ["batch", 7])], "outputs": [("loss", [], True)]}
@@ -156,3 +157,82 @@ def test_ortmodule_sessions_leave_constant_folding_out(monkeypatch):
     ids, label = _batches(1)[0]
     lm_loss(model(ids), label).backward()
     assert made and all(kinds == ["ConstantFolding"] for kinds in made), made
+
+
+def _chain_graph(output_shape):
+    """x -> Transpose -> Transpose back -> Reshape(-1) -> Reshape(0, 0) -> identity Transpose -> graph output."""
+    nodes = [
+        onnx.helper.make_node("Transpose", ["x"], ["t1"], perm=[1, 0, 2]),
+        onnx.helper.make_node("Transpose", ["t1"], ["t2"], perm=[2, 1, 0]),
+        onnx.helper.make_node("Transpose", ["t2"], ["t3"], perm=[1, 2, 0]),  # t3 = x transposed (1, 0, 2) twice: x
+        onnx.helper.make_node("Relu", ["t3"], ["r"]),
+        onnx.helper.make_node("Reshape", ["r", "flat"], ["v1"]),
+        onnx.helper.make_node("Reshape", ["v1", "same"], ["v2"]),
+        onnx.helper.make_node("Transpose", ["v2"], ["out"], perm=[0, 1]),
+        onnx.helper.make_node("Neg", ["t1"], ["side"]),  # the first transpose has another reader: it stays
+    ]
+    inits = [
+        numpy_helper.from_array(numpy.array([-1, 8], "int64"), "flat"),
+        numpy_helper.from_array(numpy.array(output_shape, "int64"), "same"),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4])],
+        [
+            onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [3, 8]),
+            onnx.helper.make_tensor_value_info("side", onnx.TensorProto.FLOAT, [3, 2, 4]),
+        ],
+        inits,
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_collapse_layout_chains_leaves_the_layouts_that_change_something():
+    model = _chain_graph([0, -1])  # v2 = Reshape(v1, [0, -1]) keeps v1's [3, 8]: a no-op
+    before = onnx.ModelProto()
+    before.CopyFrom(model)
+    assert collapse_layout_chains(model) > 0
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Transpose") == 1  # t1 (read by Neg); t2/t3 cancel, the identity before `out` is gone
+    assert ops.count("Reshape") == 1  # Reshape(x', [-1, 8]) straight to the graph output
+    feeds = {"x": numpy.random.default_rng(0).standard_normal((2, 3, 4)).astype("float32")}
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    for got, expected in zip(run(model), run(before), strict=True):
+        numpy.testing.assert_array_equal(got, expected)
+
+
+def test_the_exported_training_graph_has_no_transpose_or_reshape_chains(tmp_path):
+    from tests.hf_tiny import GPT2, token_loss
+
+    torch.manual_seed(0)
+    path = tmp_path / "gradient.onnx"
+    desc = {
+        "inputs": [("input_ids", ["batch", 8]), ("attention_mask", ["batch", 8]), ("label", ["batch", 8])],
+        "outputs": [("loss", [], True)],
+    }
+    trainer = ORTTrainer(
+        GPT2(layers=2),
+        desc,
+        optim.SGDConfig(lr=0.1),
+        loss_fn=token_loss,
+        options={
+            "utils": {"engine": "autograd", "graph_cache": False},
+            "debug": {"graph_save_paths": {"model_with_gradient_graph_path": str(path)}},
+        },
+    )
+    ids = torch.randint(0, 50, (2, 8))
+    trainer.train_step(ids, torch.ones_like(ids), ids)
+    graph = onnx.load(str(path)).graph
+    producers = {out: node for node in graph.node for out in node.output}
+    chains = [
+        n.name
+        for n in graph.node
+        if n.op_type in ("Transpose", "Reshape") and getattr(producers.get(n.input[0]), "op_type", None) == n.op_type
+    ]
+    assert not chains
+    assert sum(n.op_type == "Transpose" for n in graph.node) > 0  # the layouts that matter are still there

@@ -9,8 +9,8 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 * ``_decompositions``: the aten decompositions the graphs are traced with, and why each is needed;
 * ``_trace``: `trace_graph`, the joint (training) or forward-only (eval) aten graph of a module + loss;
 * ``_to_onnx``: `graph_to_onnx`, the dynamo exporter over a traced graph, named inputs and outputs;
-* ``_onnx_passes``: the exported graph made cheaper for ORT (`fold_zero_scatter_adds`), and the ORT
-  optimizers its sessions leave out (`DISABLED_ORT_OPTIMIZERS`);
+* ``_onnx_passes``: the exported graph made cheaper for ORT to hold and run (`fold_zero_scatter_adds`,
+  `collapse_layout_chains`), and the ORT optimizers its sessions leave out (`DISABLED_ORT_OPTIMIZERS`);
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ._cache import GraphCache, graph_cache_from_env
 from ._decompositions import training_decompositions
-from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, fold_zero_scatter_adds
+from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
 from ._random import RandomInput, lift_random_ops
 from ._to_onnx import graph_to_onnx
 from ._trace import TracedGraph, TraceError, trace_graph
@@ -30,6 +30,7 @@ __all__ = [
     "RandomInput",
     "TraceError",
     "TracedGraph",
+    "collapse_layout_chains",
     "fold_zero_scatter_adds",
     "graph_cache_from_env",
     "graph_to_onnx",
