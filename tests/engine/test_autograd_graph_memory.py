@@ -195,7 +195,8 @@ def test_collapse_layout_chains_leaves_the_layouts_that_change_something():
     before.CopyFrom(model)
     assert collapse_layout_chains(model) > 0
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("Transpose") == 1  # t1 (read by Neg); t2/t3 cancel, the identity before `out` is gone
+    assert ops.count("Transpose") == 1  # t1 (read by Neg); t2/t3 cancel
+    assert ops.count("Identity") == 1  # the identity transpose before `out`: a graph output keeps its name
     assert ops.count("Reshape") == 1  # Reshape(x', [-1, 8]) straight to the graph output
     feeds = {"x": numpy.random.default_rng(0).standard_normal((2, 3, 4)).astype("float32")}
 
@@ -236,3 +237,71 @@ def test_the_exported_training_graph_has_no_transpose_or_reshape_chains(tmp_path
     ]
     assert not chains
     assert sum(n.op_type == "Transpose" for n in graph.node) > 0  # the layouts that matter are still there
+
+
+def _exported(model, loss, batch):
+    from ort_trainer.config.model_desc import validate_model_desc
+    from ort_trainer.graph.autograd import graph_to_onnx, trace_graph
+
+    desc = validate_model_desc(DESC, require_loss=True)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    traced = trace_graph(model, loss, desc, params, {}, list(batch), training=True)
+    return graph_to_onnx(traced), traced
+
+
+def _run_graph(model, traced, seed=0):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    feeds = {n: v.detach().numpy() for n, v in zip(traced.input_names, traced.sample_args, strict=True) if n in wanted}
+    return session.run(None, feeds)
+
+
+def test_the_loss_gradient_without_its_one_hot_is_bit_equal_with_ignored_labels(monkeypatch):
+    from ort_trainer.graph.autograd import _to_onnx
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids, label = _batches(1)[0]
+    label[0, :4] = -100  # ignored positions: their rows get no gradient
+    batch = (ids, label)
+    rewritten, traced = _exported(model, lm_loss, batch)
+    scatters = [n for n in rewritten.graph.node if n.op_type == "ScatterElements"]
+    assert [next(a.s for a in n.attribute if a.name == "reduction") for n in scatters] == [b"add"]
+    monkeypatch.setattr(_to_onnx, "fold_one_hot_loss_gradients", lambda model: 0)
+    plain, _ = _exported(model, lm_loss, batch)
+    assert any(n.op_type == "ScatterElements" for n in plain.graph.node)
+    assert len(rewritten.graph.node) < len(plain.graph.node)
+    for got, expected in zip(_run_graph(rewritten, traced), _run_graph(plain, traced), strict=True):
+        numpy.testing.assert_array_equal(got, expected)
+
+
+def test_a_smoothed_or_summed_loss_trains_as_pytorch():
+    """Label smoothing adds a term to every class (not the one-hot form: the rewrite must leave it), a sum
+    reduction scales each row by the output's gradient; both train as PyTorch, with ignored labels."""
+    for loss in (
+        lambda logits, label: torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), label.reshape(-1), label_smoothing=0.1
+        ),
+        lambda logits, label: (
+            torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), label.reshape(-1), reduction="sum") / 100
+        ),
+    ):
+        torch.manual_seed(0)
+        model = TiedLM()
+        reference = copy.deepcopy(model)
+        trainer = ORTTrainer(
+            model, DESC, optim.SGDConfig(lr=0.5), loss_fn=loss,
+            options={"utils": {"engine": "autograd", "grad_norm_clip": False, "graph_cache": False}},
+        )  # fmt: skip
+        opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+        for ids, label in _batches(2, seed=3):
+            label[0, :2] = -100
+            got = trainer.train_step(ids, label)
+            opt.zero_grad()
+            expected = loss(reference(ids), label)
+            expected.backward()
+            opt.step()
+            torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=1e-6)
+        state = trainer.state_dict(pytorch_format=True)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)

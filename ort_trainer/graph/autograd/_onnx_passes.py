@@ -3,7 +3,7 @@
 PyTorch's decompositions write a gradient that lands on a few rows of a large tensor as a scatter into a
 tensor of zeros: ``embedding_dense_backward`` becomes ``ScatterND(Expand(0, [vocab, d]), ids, grads,
 reduction="add")``, and ``nll_loss_backward`` a ``ScatterElements`` into zeros the size of the logits.
-Two things follow on ONNX Runtime, both measured on HF GPT-2 124M (batch 2 x 128, 1 thread):
+These passes (and the ORT settings here) are measured on HF GPT-2 124M (batch 2 x 128, 1 thread):
 
 * ORT's ``ConstantFolding`` turns every such ``Expand`` of constants into an initializer that the session
   holds for its whole life: 200 MiB of zeros ([50257, 768], [256, 50257], [1024, 768]). The dynamo
@@ -15,6 +15,11 @@ Two things follow on ONNX Runtime, both measured on HF GPT-2 124M (batch 2 x 128
   two such blocks alive at the top of the backward, where the activations peak. `fold_zero_scatter_adds`
   scatters into the head's gradient instead: ``ScatterND(head_grad, ids, grads, reduction="add")``.
   The sum is the same (an embedding row's terms added to the head's, in another order: within an ulp).
+* The loss's gradient is a one-hot scatter into zeros, scaled, summed per row and subtracted from:
+  `fold_one_hot_loss_gradients` writes it as one scatter-add into ``-exp(log_softmax) * u``, bit-equal, without
+  three [tokens, vocab] tensors.
+* The exporter's optimizer runs without its pattern rewriter (`_to_onnx`); `collapse_layout_chains` does what
+  its rules did to these graphs.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ import math
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["DISABLED_ORT_OPTIMIZERS", "collapse_layout_chains", "fold_zero_scatter_adds"]
+__all__ = [
+    "DISABLED_ORT_OPTIMIZERS",
+    "collapse_layout_chains",
+    "drop_unread_initializers",
+    "fold_one_hot_loss_gradients",
+    "fold_zero_scatter_adds",
+]
 
 DISABLED_ORT_OPTIMIZERS = ("ConstantFolding",)  # InferenceSession(..., disabled_optimizers=...)
 
@@ -146,10 +157,6 @@ def _collapse_once(model: onnx.ModelProto) -> int:
     constants = {init.name: init for init in graph.initializer}
     outputs = {out.name for out in graph.output}
     shapes = _static_shapes(model)
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
     renamed: dict[str, str] = {}  # a bypassed no-op's output -> its input
     count = 0
     for node in graph.node:
@@ -162,11 +169,8 @@ def _collapse_once(model: onnx.ModelProto) -> int:
         if _is_no_op(node, shapes, constants):
             if node.output[0] not in outputs:
                 renamed[node.output[0]] = node.input[0]
-            elif inner is not None and readers.get(node.input[0]) == 1 and node.input[0] not in outputs:
-                inner.output[list(inner.output).index(node.input[0])] = node.output[0]  # the graph output's name
-                node.output[0] = ""  # nothing reads this node any more
-            else:
-                continue
+            else:  # a graph output keeps its name: an Identity, which ONNX Runtime runs as an alias
+                node.CopyFrom(onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
             count += 1
             continue
         if inner is None or inner.op_type != node.op_type or inner.domain not in ("", "ai.onnx"):
@@ -225,8 +229,129 @@ def _drop_unread(graph: onnx.GraphProto, op_types: tuple[str, ...]) -> None:
     """Remove nodes of ``op_types`` whose outputs nothing reads (repeatedly: a chain goes as a whole)."""
     while True:
         read = {name for node in graph.node for name in node.input} | {out.name for out in graph.output}
-        kept = [n for n in graph.node if n.op_type not in op_types or any(out and out in read for out in n.output)]
+        kept = [n for n in graph.node if n.op_type not in op_types or any(out in read for out in n.output)]
         if len(kept) == len(graph.node):
             return
         del graph.node[:]
         graph.node.extend(kept)
+
+
+def fold_one_hot_loss_gradients(model: onnx.ModelProto) -> int:
+    """The decomposed ``nll_loss`` + ``log_softmax`` backward without its [tokens, classes] one-hot, in place.
+
+    PyTorch's decompositions write the gradient of ``cross_entropy`` with respect to the logits as::
+
+        one_hot = ScatterElements(zeros, target, v, axis=-1)      # v: -1 per row
+        g = one_hot * w                                            # w: [tokens, 1], the mean's scale (0 if ignored)
+        grad = g - E * ReduceSum(g, axis=-1, keepdims)             # E = exp(log_softmax)
+
+    Each row of ``g`` holds one non-zero, ``u = v * w``, so its sum is ``u`` exactly, and ``grad`` is
+    ``-(E * u)`` with ``u`` added at the target: ``ScatterElements(E * -u, target, u, reduction="add")``. The
+    values are the same bits (``a - b`` is ``-b + a`` in IEEE arithmetic); the zeros, the one-hot, ``g`` and the
+    row sum (three [tokens, classes] tensors at the top of the backward: 150 MiB at GPT-2 124M, batch 2 x 128)
+    are not made. Returns how many were rewritten.
+    """
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {out.name for out in graph.output}
+    constants = {init.name: init for init in graph.initializer}
+    shapes = _static_shapes(model)
+    dropped: set[int] = set()
+    added: list[tuple[onnx.NodeProto, list[onnx.NodeProto]]] = []  # (insert before this node, new nodes)
+    count = 0
+    for sub in graph.node:
+        match = _one_hot_gradient(sub, producers, readers, outputs, constants, shapes)
+        if match is None:
+            continue
+        scatter, g, row_sum, product, w = match
+        target, v = scatter.input[1], scatter.input[2]
+        u, minus_u = f"{sub.output[0]}__row_value", f"{sub.output[0]}__minus_row_value"
+        exp_side = product.input[0] if product.input[1] == row_sum.output[0] else product.input[1]
+        added.append(
+            (
+                product,
+                [
+                    onnx.helper.make_node("Mul", [v, w], [u], name=f"{sub.name}/row_value"),
+                    onnx.helper.make_node("Neg", [u], [minus_u], name=f"{sub.name}/minus_row_value"),
+                ],
+            )
+        )
+        product.input[:] = [exp_side, minus_u]
+        axis = next(a.i for a in scatter.attribute if a.name == "axis")
+        replacement = onnx.helper.make_node(
+            "ScatterElements", [product.output[0], target, u], [sub.output[0]], name=sub.name, axis=axis,
+            reduction="add",
+        )  # fmt: skip
+        sub.CopyFrom(replacement)
+        for node in (scatter, g, row_sum):
+            dropped.add(id(node))
+        zeros = producers.get(scatter.input[0])
+        if zeros is not None and len(readers.get(scatter.input[0], [])) == 1:
+            dropped.add(id(zeros))
+        count += 1
+    if count:
+        before = {id(anchor): nodes for anchor, nodes in added}
+        kept = []
+        for node in graph.node:
+            kept.extend(before.get(id(node), []))
+            if id(node) not in dropped:
+                kept.append(node)
+        del graph.node[:]
+        graph.node.extend(kept)
+    return count
+
+
+def _one_hot_gradient(sub, producers, readers, outputs, constants, shapes):
+    """(scatter, g, row_sum, product, w) where ``sub`` is ``g - E * ReduceSum(g)`` over a one-hot ``g``, else None."""
+    if sub.op_type != "Sub" or sub.domain not in ("", "ai.onnx"):
+        return None
+    g, product = producers.get(sub.input[0]), producers.get(sub.input[1])
+    if g is None or product is None or g.op_type != "Mul" or product.op_type != "Mul":
+        return None
+    scatter, w = None, None
+    for first, second in ((g.input[0], g.input[1]), (g.input[1], g.input[0])):
+        if getattr(producers.get(first), "op_type", None) == "ScatterElements":
+            scatter, w = producers[first], second
+    if scatter is None or len(readers.get(scatter.output[0], [])) != 1:
+        return None
+    attrs = {a.name: a for a in scatter.attribute}
+    full = shapes.get(scatter.output[0])
+    reduction = attrs["reduction"].s if "reduction" in attrs else b"none"
+    if full is None or len(full[0]) != 2 or reduction != b"none":
+        return None
+    if "axis" not in attrs or attrs["axis"].i not in (1, -1):
+        return None
+    if _zeros_shape(scatter.input[0], producers, constants) != full:
+        return None
+    column = ((full[0][0], 1), full[1])
+    if shapes.get(scatter.input[2]) != column or shapes.get(w) != column:  # one value per row, one scale per row
+        return None
+    g_readers = readers.get(g.output[0], [])
+    if g.output[0] in outputs or sorted(n.op_type for n in g_readers) != ["ReduceSum", "Sub"]:
+        return None
+    row_sum = next(n for n in g_readers if n.op_type == "ReduceSum")
+    axes = _int_values(constants.get(row_sum.input[1])) if len(row_sum.input) > 1 else None
+    keepdims = next((a.i for a in row_sum.attribute if a.name == "keepdims"), 1)
+    if axes not in ([1], [-1]) or not keepdims or row_sum.input[0] != g.output[0]:
+        return None
+    if row_sum.output[0] not in product.input or len(readers.get(row_sum.output[0], [])) != 1:
+        return None
+    if len(readers.get(product.output[0], [])) != 1 or product.output[0] in outputs:
+        return None
+    return scatter, g, row_sum, product, w
+
+
+def drop_unread_initializers(model: onnx.ModelProto) -> int:
+    """Remove the initializers no node reads any more (the passes above leave shapes of removed ``Expand``s)."""
+    graph = model.graph
+    read = {name for node in graph.node for name in node.input} | {out.name for out in graph.output}
+    kept = [init for init in graph.initializer if init.name in read]
+    dropped = len(graph.initializer) - len(kept)
+    if dropped:
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return dropped

@@ -3,9 +3,9 @@
 The exporter (``torch.onnx.export(..., dynamo=True)``, onnxscript's aten library) re-exports the traced
 graph with ``torch.export`` and translates each aten op; its own graph optimizer folds constants and
 removes dead code. Inputs and outputs get the names the trainer binds (state names, ``model_desc``
-names, ``<param>_grad``); `fold_zero_scatter_adds` then scatters a tied embedding's gradient into its
-head's instead of into zeros (`_onnx_passes`). The exporter's progress prints and warnings are kept out
-of the user's log.
+names, ``<param>_grad``); `_onnx_passes` then collapses transpose/reshape chains, scatters a tied
+embedding's gradient into its head's instead of into zeros, and writes the loss's gradient without its one-hot.
+The exporter's progress prints and warnings are kept out of the user's log.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ import warnings
 import onnx
 import torch
 
-from ._onnx_passes import collapse_layout_chains, fold_zero_scatter_adds
+from ._onnx_passes import (
+    collapse_layout_chains,
+    drop_unread_initializers,
+    fold_one_hot_loss_gradients,
+    fold_zero_scatter_adds,
+)
 from ._trace import TracedGraph, TraceError
 
 __all__ = ["graph_to_onnx"]
@@ -57,6 +62,8 @@ def graph_to_onnx(traced: TracedGraph) -> onnx.ModelProto:
     _check_names(model, traced)
     collapse_layout_chains(model)
     fold_zero_scatter_adds(model)
+    fold_one_hot_loss_gradients(model)
+    drop_unread_initializers(model)
     return model
 
 
