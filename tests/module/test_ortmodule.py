@@ -207,3 +207,35 @@ def test_the_graphs_are_built_once_per_signature(caplog):
             torch.nn.functional.cross_entropy(model(x), label).backward()
     built = [r.getMessage().split(":")[0] for r in caplog.records if r.getMessage().startswith("ORT ")]
     assert built == ["ORT forward graph", "ORT backward graph"]
+
+
+def test_the_forward_saves_the_weights_and_activations_not_views_of_them(monkeypatch):
+    """A saved view (a transposed weight, a reshaped activation) would be an ONNX output of its own, written out
+    on every forward; the forward saves the view's base and the backward takes the view, which costs nothing."""
+    from ort_trainer.module import _backend
+
+    partitions = []
+    real = _backend._save_view_bases
+
+    def recording(forward, backward, num_fwd_outputs):
+        real(forward, backward, num_fwd_outputs)
+        partitions.append((forward, backward, num_fwd_outputs))
+
+    monkeypatch.setattr(_backend, "_save_view_bases", recording)
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model)
+    ids, label = lm_batches(1)[0]
+    lm_loss(wrapped(ids), label).backward()
+    lm_loss(reference(ids), label).backward()
+    _assert_grads_equal(model, reference)
+    ((forward, backward, num_fwd_outputs),) = partitions
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    saved = [v for v in output.args[0][num_fwd_outputs:] if isinstance(v, torch.fx.Node)]
+    assert saved and not [v.name for v in saved if v.op == "call_function" and v.target in _backend._VIEWS]
+    weight_views = [  # the head's and the layers' transposed weights: views of backward inputs now
+        n for n in backward.graph.nodes
+        if n.op == "call_function" and n.target in _backend._VIEWS and n.args[0].op == "placeholder"
+    ]  # fmt: skip
+    assert len(weight_views) >= 3
