@@ -48,6 +48,21 @@ def _batches(n, seed=0):
     ]
 
 
+def _assert_trains_as_pytorch(trainer, reference, loss_fn, batches, lr=0.5):
+    """The trainer's SGD steps (its lr must be ``lr``) against torch's SGD on ``reference``: losses, then weights."""
+    opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    for ids, label in batches:
+        got = trainer.train_step(ids, label)
+        opt.zero_grad()
+        expected = loss_fn(reference(ids), label)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=1e-6)
+    state = trainer.state_dict(pytorch_format=True)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_a_tied_embedding_scatters_into_its_heads_gradient_and_trains_as_pytorch(tmp_path):
     torch.manual_seed(0)
     model = TiedLM()
@@ -63,19 +78,9 @@ def test_a_tied_embedding_scatters_into_its_heads_gradient_and_trains_as_pytorch
             "debug": {"graph_save_paths": {"model_with_gradient_graph_path": str(gradient_graph)}},
         },
     )
-    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     batches = _batches(3)
     batches[0][0][:, :3] = 5  # one row of the embedding gets several terms in one step
-    for ids, label in batches:
-        loss = trainer.train_step(ids, label)
-        opt.zero_grad()
-        expected = lm_loss(reference(ids), label)
-        expected.backward()
-        opt.step()
-        torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-6)
-    state = trainer.state_dict(pytorch_format=True)
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    _assert_trains_as_pytorch(trainer, reference, lm_loss, batches)
 
     graph = onnx.load(str(gradient_graph)).graph
     producers = {out: node for node in graph.node for out in node.output}
@@ -293,15 +298,7 @@ def test_a_smoothed_or_summed_loss_trains_as_pytorch():
             model, DESC, optim.SGDConfig(lr=0.5), loss_fn=loss,
             options={"utils": {"engine": "autograd", "grad_norm_clip": False, "graph_cache": False}},
         )  # fmt: skip
-        opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-        for ids, label in _batches(2, seed=3):
+        batches = _batches(2, seed=3)
+        for _, label in batches:
             label[0, :2] = -100
-            got = trainer.train_step(ids, label)
-            opt.zero_grad()
-            expected = loss(reference(ids), label)
-            expected.backward()
-            opt.step()
-            torch.testing.assert_close(got, expected.detach(), rtol=1e-6, atol=1e-6)
-        state = trainer.state_dict(pytorch_format=True)
-        for key, value in reference.state_dict().items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+        _assert_trains_as_pytorch(trainer, reference, loss, batches)

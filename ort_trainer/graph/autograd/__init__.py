@@ -9,8 +9,9 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 * ``_decompositions``: the aten decompositions the graphs are traced with, and why each is needed;
 * ``_trace``: `trace_graph`, the joint (training) or forward-only (eval) aten graph of a module + loss;
 * ``_to_onnx``: `graph_to_onnx`, the dynamo exporter over a traced graph, named inputs and outputs;
-* ``_onnx_passes``: the exported graph made cheaper for ORT to hold and run (`fold_zero_scatter_adds`,
-  `collapse_layout_chains`), and the ORT optimizers its sessions leave out (`DISABLED_ORT_OPTIMIZERS`);
+* ``_onnx_passes``: the exported graph made cheaper for ORT to hold and run (`collapse_layout_chains`,
+  `fold_zero_scatter_adds`, `fold_one_hot_loss_gradients`, run by `graph_to_onnx`), and the ORT optimizers
+  its sessions leave out (`DISABLED_ORT_OPTIMIZERS`);
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions.
 """

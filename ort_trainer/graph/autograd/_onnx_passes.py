@@ -45,7 +45,8 @@ def fold_zero_scatter_adds(model: onnx.ModelProto) -> int:
     has the zeros' shape and dtype, in place; returns how many were rewritten.
 
     ``zeros`` is ``Expand`` of a zero scalar to a constant shape, or (under the exporter's folding size limit)
-    an all-zeros initializer. A zeros tensor nothing reads any more is removed."""
+    an all-zeros initializer. An ``Expand`` nothing reads any more is removed (an initializer, by
+    `drop_unread_initializers`)."""
     graph = model.graph
     producers = {out: node for node in graph.node for out in node.output}
     readers: dict[str, int] = {}
@@ -57,7 +58,6 @@ def fold_zero_scatter_adds(model: onnx.ModelProto) -> int:
     constants = {init.name: init for init in graph.initializer}
     shapes = _static_shapes(model)
     dropped: set[int] = set()
-    unread: set[str] = set()  # all-zeros initializers nothing reads any more
     count = 0
     for add in graph.node:
         if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2:
@@ -75,18 +75,12 @@ def fold_zero_scatter_adds(model: onnx.ModelProto) -> int:
             readers[zeros] -= 1
             if readers[zeros] == 0 and zeros in producers:
                 dropped.add(id(producers[zeros]))
-            elif readers[zeros] == 0:
-                unread.add(zeros)
             count += 1
             break
     if dropped:
         kept = [node for node in graph.node if id(node) not in dropped]
         del graph.node[:]
         graph.node.extend(kept)
-    if unread:
-        kept_inits = [init for init in graph.initializer if init.name not in unread]
-        del graph.initializer[:]
-        graph.initializer.extend(kept_inits)
     return count
 
 
