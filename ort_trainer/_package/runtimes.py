@@ -20,10 +20,12 @@ RUNTIME_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training
 def installed_runtimes(path: Sequence[str] | None = None) -> dict[str, str]:
     """``{distribution: version}`` of the ONNX Runtime packages installed (on ``path``, default ``sys.path``)."""
     found = {}
-    for dist in metadata.distributions(path=list(path)) if path is not None else metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name in RUNTIME_DISTRIBUTIONS:
-            found.setdefault(name, dist.version)
+    where = {} if path is None else {"path": list(path)}
+    for wanted in RUNTIME_DISTRIBUTIONS:  # by name: reading every installed package's metadata took 0.1 s
+        for dist in metadata.distributions(name=wanted, **where):
+            name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+            if name in RUNTIME_DISTRIBUTIONS:
+                found.setdefault(name, dist.version)
     return found
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 
 import onnx
 import torch
@@ -23,10 +25,13 @@ import torch
 from ort_trainer.graph import explain_trace_failure
 from ort_trainer.graph.autograd import (
     GraphCache,
+    GraphNames,
     TracedGraph,
     TraceError,
+    constant_buffers,
     graph_cache_from_env,
     graph_to_onnx,
+    quick_fingerprint,
     trace_graph,
 )
 
@@ -74,13 +79,50 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     cache = graph_cache_from_env(request.graph_cache)
     constants: dict[str, torch.Tensor] = {}
 
-    def build(feeds: Mapping[str, torch.Tensor] | None, training: bool) -> AutogradGraphs:
+    def build(feeds: Mapping[str, torch.Tensor] | None, training: bool, quick: bool = True) -> AutogradGraphs:
+        """The graphs for ``feeds`` (None: the first inputs); ``quick``: a cached graph found by its pre-key may
+        be returned before its trace, which then runs beside the first step (`AutogradGraphs.pending`)."""
         inputs = [first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
+        named_inputs = dict(zip(desc.input_names, inputs, strict=True))
+        options = _cache_options(training)
+        quick_key = None
+        if cache is not None:
+            fingerprint = quick_fingerprint(
+                request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training
+            )
+            quick_key = cache.key(fingerprint, options)
+            found = _quick_hit(cache, quick_key, training) if quick else None
+            if found is not None:
+                model, names, key = found
+                known = set(trainable) | set(frozen) | set(desc.input_names)
+                module_constants = constant_buffers(request.model, set(trainable) | set(frozen))
+                if all(n in module_constants for n in names.input_names[: names.state_count] if n not in known):
+                    for name in names.input_names[: names.state_count]:
+                        if name not in known:
+                            constants.setdefault(name, module_constants[name].detach().clone())
+
+                    def verify() -> bool:
+                        """True when a trace of the model gives the graph the pre-key found."""
+                        try:
+                            traced = trace_graph(
+                                request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training
+                            )
+                        except TraceError as error:
+                            raise _explained_trace_error(request, error, inputs) from error
+                        return cache.key(traced.fingerprint(), options) == key
+
+                    return AutogradGraphs(model, names, named_inputs, pending=_in_background(verify))
         traced = trace_graph(request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training)
         for name, value in zip(traced.input_names, traced.sample_args, strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
                 constants.setdefault(name, value.detach().clone())
-        return AutogradGraphs(_exported(traced, cache, request, training), traced)
+        model, key = _exported(traced, cache, training)
+        if cache is not None and quick_key is not None and key is not None:
+            try:
+                cache.put_alias(quick_key, key)
+            except OSError as error:
+                _log.warning("graph cache %s: could not store the graph's pre-key (%s)", cache.directory, error)
+        return AutogradGraphs(model, traced.names(), named_inputs)
 
     def explain(feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
         """A failed run (a label out of range...) explained by PyTorch on the same inputs, naming the input."""
@@ -109,62 +151,104 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
                 request.shrink_arena,
                 explain=explain,
             )
-    except TraceError as error:  # an input the model or the loss rejects: named, as PyTorch would say it
-        cause = error.__cause__ if isinstance(error.__cause__, RuntimeError | IndexError | TypeError) else None
-        cause = cause or RuntimeError(str(error))  # an ONNX Runtime load error: PyTorch decides if an input is at fault
-        explained = explain_trace_failure(request.model, request.loss_fn, desc, list(sample_inputs), cause)
-        if explained is not None:
-            raise explained from error
-        raise
-    if first.traced.unused_inputs:
+    except TraceError as error:
+        raise _explained_trace_error(request, error, list(sample_inputs)) from error
+    if first.names.unused_inputs:
         warnings.warn(
-            f"model_desc inputs {list(first.traced.unused_inputs)} are not used by the model (the traced graph "
+            f"model_desc inputs {list(first.names.unused_inputs)} are not used by the model (the traced graph "
             "does not read them); train_step and eval_step still accept them and ignore them",
             UserWarning,
             stacklevel=5,
         )
     save_debug_graph(request, "model_with_gradient_graph_path", first.model)
     save_debug_graph(request, "model_with_training_graph_path", first.model)
-    store.optimizer.set_idle(first.traced.idle)
-    if first.traced.idle:
-        _log.info("parameters the loss does not reach (never updated): %s", first.traced.idle)
-    release_freed_memory()
+    store.optimizer.set_idle(first.names.idle)
+    if first.names.idle:
+        _log.info("parameters the loss does not reach (never updated): %s", first.names.idle)
+    release_freed_memory(collect=first.pending is None)  # a traced graph leaves cycles; a cache hit leaves none
     progress.close()
     return engine_for(
         request,
         session,
         sample_inputs,
         eval_model=None,
-        unused_inputs=first.traced.unused_inputs,
+        unused_inputs=first.names.unused_inputs,
         output_types={o.name: o.type.tensor_type.elem_type for o in first.model.graph.output},
-        tracks_batches=bool(first.traced.updated),  # BatchNorm statistics are the buffers a forward writes
+        tracks_batches=bool(first.names.updated),  # BatchNorm statistics are the buffers a forward writes
     )
 
 
-def _exported(traced: TracedGraph, cache: GraphCache | None, request: BuildRequest, training: bool) -> onnx.ModelProto:
-    """The ONNX graph of ``traced``: from the cache when it holds this key (the finished graph's names come
-    with it, so the functionalising second trace is skipped), else finished, exported and stored."""
+def _explained_trace_error(request: BuildRequest, error: TraceError, inputs: Sequence[torch.Tensor]) -> Exception:
+    """A trace failure caused by an input the model or the loss rejects, named as PyTorch would say it; else
+    the trace error itself."""
+    cause = error.__cause__ if isinstance(error.__cause__, RuntimeError | IndexError | TypeError) else None
+    cause = cause or RuntimeError(str(error))  # an ONNX Runtime load error: PyTorch decides if an input is at fault
+    explained = explain_trace_failure(request.model, request.loss_fn, request.desc, list(inputs), cause)
+    return explained if explained is not None else error
+
+
+def _cache_options(training: bool) -> dict[str, object]:
+    return {"training": training, "opset": "exporter-default"}
+
+
+def _quick_hit(cache: GraphCache, quick_key: str, training: bool) -> tuple[onnx.ModelProto, GraphNames, str] | None:
+    """The cached graph that pre-key ``quick_key`` led to before, its names and its full key; None on a miss."""
+    key = cache.alias(quick_key)
+    model = cache.get(key) if key is not None else None
+    if model is None:
+        return None
+    metadata = {p.key: p.value for p in model.metadata_props}
+    try:
+        names = GraphNames.from_json(metadata[_METADATA])
+    except (KeyError, ValueError):
+        return None
+    _log.info(
+        "graph cache: %s graph found by the model's pre-key in %s; a trace verifies it beside the first step",
+        "training" if training else "eval",
+        cache.directory,
+    )
+    return model, names, key
+
+
+def _in_background(check: Callable[[], bool]) -> Future:
+    """Run ``check`` in a daemon thread; its result (or exception) in the returned future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(check())
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="ort_trainer-graph-verify", daemon=True).start()
+    return future
+
+
+def _exported(traced: TracedGraph, cache: GraphCache | None, training: bool) -> tuple[onnx.ModelProto, str | None]:
+    """The ONNX graph of ``traced`` and its cache key: from the cache when it holds this key (the finished graph's
+    names come with it, so the functionalising second trace is skipped), else finished, exported and stored."""
     if cache is None:
-        return _export(traced)
-    key = cache.key(traced.fingerprint(), {"training": training, "opset": "exporter-default"})
+        return _export(traced), None
+    key = cache.key(traced.fingerprint(), _cache_options(training))
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(cache.building(key))
         except OSError as error:  # a read-only or full cache folder must not stop training
             _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
-            return _export(traced)
+            return _export(traced), None
         model = cache.get(key)
         metadata = {p.key: p.value for p in model.metadata_props} if model is not None else {}
         if _METADATA in metadata:
             traced.apply_metadata(metadata[_METADATA])
             _log.info("graph cache: %s graph loaded from %s", "training" if training else "eval", cache.directory)
-            return model
+            return model, key
         model = _export(traced)
         try:
             cache.put(key, model)
         except OSError as error:
             _log.warning("graph cache %s: could not store the graph (%s)", cache.directory, error)
-        return model
+            return model, None
+        return model, key
 
 
 def _export(traced: TracedGraph) -> onnx.ModelProto:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import onnx
@@ -30,7 +31,7 @@ import torch
 from onnx import numpy_helper
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph.autograd import DISABLED_ORT_OPTIMIZERS, TracedGraph, TraceError
+from ort_trainer.graph.autograd import DISABLED_ORT_OPTIMIZERS, GraphNames, TraceError
 
 from ._fork_safety import track
 from ._memory import release_freed_memory
@@ -45,10 +46,14 @@ _log = logging.getLogger("ort_trainer")
 
 @dataclass
 class AutogradGraphs:
-    """One input signature's exported graph and what the trainer binds to it."""
+    """One input signature's exported graph, the names the trainer binds to it, and the user inputs it was
+    built for. ``pending``: a graph the cache found by its pre-key, whose verifying trace still runs (its
+    future's result is False when the trace gives another graph); the first run waits for it."""
 
     model: onnx.ModelProto
-    traced: TracedGraph
+    names: GraphNames
+    inputs: dict[str, torch.Tensor]
+    pending: Future | None = None
 
 
 class _ShapeSession:
@@ -78,7 +83,7 @@ class _ShapeSession:
         wanted = {i.name for i in self.session.get_inputs()}
         self.input_names = wanted
         self.bind_state(owner._state)
-        traced = graphs.traced
+        traced = graphs.names
         self.grad_names = [(n, n + "_grad") for n in traced.trained] if training else []
         self.updated = [(n, n + "_updated") for n in traced.updated] if training else []
         read = set(owner._user_outputs) | {out for _, out in self.updated}
@@ -122,7 +127,7 @@ class AutogradSession:
 
     def __init__(
         self,
-        build: Callable[[Mapping[str, torch.Tensor] | None, bool], AutogradGraphs],
+        build: Callable[..., AutogradGraphs],
         first: AutogradGraphs,
         params: Mapping[str, torch.Tensor],
         grads: Mapping[str, torch.Tensor],
@@ -149,22 +154,28 @@ class AutogradSession:
         self._eval: OrderedDict[tuple, _ShapeSession] = OrderedDict()
         self._trimmed = False
         self._generator = torch.Generator(device=device.torch_device)
-        signature = _first_signature(first.traced)
-        self._train[signature] = _ShapeSession(self, first, training=True)
-        self.draws_randomness = self._train[signature].draws_randomness
+        self._untrusted: set[tuple[bool, tuple]] = set()  # (training, signature): rebuilt without the pre-key
+        self._first = _first_signature(first)
+        self._train[self._first] = _ShapeSession(self, first, training=True)
+        self.draws_randomness = self._train[self._first].draws_randomness
 
     # ---------------------------------------------------------------- the interface `engine._step` uses
     @property
     def train_input_names(self) -> list[str]:
+        if not self._train:  # the first graph was dropped by its verifying trace before it ran
+            self._session_for(self._train, self._first, training=True, inputs=None)
         return [i.name for i in next(iter(self._train.values())).session.get_inputs()]
 
     @property
     def eval_model(self) -> onnx.ModelProto:
         """The eval graph of the first input signature, constants as initializers (``save_as_onnx``)."""
+        self._settle_all()
         if self._eval:  # the most recent eval graph
             session = next(reversed(self._eval.values()))
         else:
-            session = self._session_for(self._eval, next(iter(self._train)), training=False, inputs=None)
+            session = self._session_for(self._eval, self._first, training=False, inputs=None)
+            if not self._trusted(session, self._first, training=False):
+                session = self._session_for(self._eval, self._first, training=False, inputs=None)
         model = onnx.ModelProto()
         model.CopyFrom(session.graphs.model)
         names = {i.name for i in model.graph.input}
@@ -187,26 +198,36 @@ class AutogradSession:
 
     def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
         """One forward + backward; gradients overwrite the buffer (``reset_grad``) or are added to it."""
-        shape = self._session_for(self._train, _signature(inputs), training=True, inputs=inputs)
-        shape.fill_random(self._generator)
-        if reset_grad:
-            shape.bind_gradients(self._grads, "grads")
-        else:
-            shape.bind_gradients(self._scratch_targets(), "scratch")
-        outputs = self._run(shape, inputs)
+        signature = _signature(inputs)
+        while True:  # twice at most: a cached graph that its verifying trace rejects is rebuilt and run again
+            shape = self._session_for(self._train, signature, training=True, inputs=inputs)
+            draws = self._generator.get_state() if shape.graphs.pending is not None else None
+            shape.fill_random(self._generator)
+            if reset_grad:
+                shape.bind_gradients(self._grads, "grads")
+            else:
+                shape.bind_gradients(self._scratch_targets(), "scratch")
+            outputs = self._run(shape, inputs, signature, training=True)
+            if outputs is not None and self._trusted(shape, signature, training=True):
+                break
+            if draws is not None:
+                self._generator.set_state(draws)  # the rerun draws the same Dropout masks
         if not reset_grad:
             self._flat_grads.add_(self._scratch)
         for name, output in shape.updated:
             self._frozen[name].copy_(outputs[output])
         if not self._trimmed:  # the first run's scratch, which glibc would keep resident (see TrainingSession)
             self._trimmed = True
-            release_freed_memory()
+            release_freed_memory(collect=False)  # native memory: no Python garbage to collect
         return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        shape = self._session_for(self._eval, _signature(inputs), training=False, inputs=inputs)
-        outputs = self._run(shape, inputs)
-        return {name: outputs[name] for name in self._user_outputs if name in outputs}
+        signature = _signature(inputs)
+        while True:
+            shape = self._session_for(self._eval, signature, training=False, inputs=inputs)
+            outputs = self._run(shape, inputs, signature, training=False)
+            if outputs is not None and self._trusted(shape, signature, training=False):
+                return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     # ---------------------------------------------------------------- internals
     def _session_for(self, sessions: OrderedDict, signature: tuple, *, training: bool, inputs) -> _ShapeSession:
@@ -214,18 +235,51 @@ class AutogradSession:
         if found is not None:
             sessions.move_to_end(signature)
             return found
+        self._settle_all()  # one trace at a time: tracing switches the module's modes while it runs
         what = "training" if training else "eval"
         if sessions:
             _log.info("autograd engine: new input shapes %s, building the %s graph for them", signature, what)
         progress = BuildProgress(1, f"ORTTrainer {what} graph")
         with progress.phase(f"{what} graph for input shapes {[list(s) for _, s, _ in signature]}"):
-            graphs = self._build(inputs, training)
+            graphs = self._build(inputs, training, (training, signature) not in self._untrusted)
             found = _ShapeSession(self, graphs, training=training)
         progress.close()
         sessions[signature] = found
         while len(sessions) > self._max_shapes:
             sessions.popitem(last=False)
         return found
+
+    def _trusted(self, shape: _ShapeSession, signature: tuple, *, training: bool) -> bool:
+        """Wait for the verifying trace of a graph found by its pre-key. False when the trace gives another graph
+        (or fails): the session is dropped and the graph rebuilt from the trace. No pending trace: True."""
+        pending = shape.graphs.pending
+        if pending is None:
+            return True
+        shape.graphs.pending = None
+        sessions = self._train if training else self._eval
+        try:
+            verified = pending.result()
+        except BaseException:
+            self._distrust(sessions, signature, training)
+            raise  # the model no longer traces: what the trace said, as a cold build would
+        if not verified:
+            _log.warning(
+                "graph cache: the %s graph found by the model's pre-key is not the graph a trace of the model gives "
+                "(an edit the pre-key cannot see); rebuilding it from the trace",
+                "training" if training else "eval",
+            )
+            self._distrust(sessions, signature, training)
+        return verified
+
+    def _distrust(self, sessions: OrderedDict, signature: tuple, training: bool) -> None:
+        sessions.pop(signature, None)
+        self._untrusted.add((training, signature))
+
+    def _settle_all(self) -> None:
+        """Wait for every verifying trace still running (the graphs it rejects are dropped)."""
+        for training, sessions in ((True, self._train), (False, self._eval)):
+            for signature, shape in list(sessions.items()):
+                self._trusted(shape, signature, training=training)
 
     def _scratch_targets(self) -> dict[str, torch.Tensor]:
         """Views of a zeroed scratch buffer laid out like the flat gradient buffer (made once)."""
@@ -237,10 +291,15 @@ class AutogradSession:
                 self._scratch_views[name] = self._scratch[offset : offset + view.numel()].view(view.shape)
         return self._scratch_views
 
-    def _run(self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _run(
+        self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor], signature: tuple, *, training: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """The run's outputs; None when it failed on a cached graph that its verifying trace then rejected."""
         try:
             return self._run_bound(shape, inputs)
         except Exception as error:  # noqa: BLE001 - ONNX Runtime's run errors: explained where PyTorch can
+            if not self._trusted(shape, signature, training=training):  # (no eager run while a trace is running)
+                return None
             explained = self._explain(inputs, error) if self._explain is not None else None
             if explained is not None:
                 raise explained from error
@@ -266,8 +325,5 @@ def _signature(feeds: Mapping[str, torch.Tensor]) -> tuple:
     return tuple((name, tuple(t.shape), t.dtype) for name, t in feeds.items())
 
 
-def _first_signature(traced: TracedGraph) -> tuple:
-    end = len(traced.input_names) - len(traced.random_inputs)
-    names, values = traced.input_names[traced.state_count : end], traced.sample_args[traced.state_count : end]
-    user = dict(zip(names, values, strict=True))
-    return _signature({n: t for n, t in user.items() if n not in traced.unused_inputs})
+def _first_signature(graphs: AutogradGraphs) -> tuple:
+    return _signature({n: t for n, t in graphs.inputs.items() if n not in graphs.names.unused_inputs})

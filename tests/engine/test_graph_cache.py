@@ -1,5 +1,7 @@
 """The autograd engine's on-disk graph cache: hits for the same graph, misses for any change, atomic files
-shared by concurrent builders, a size bound, a switch, and rebuilt when a file is damaged."""
+shared by concurrent builders, a size bound, a switch, and rebuilt when a file is damaged. A resumed job
+finds its graph by a pre-key read off the module and runs its first step on it while a trace verifies it:
+a graph the trace rejects (an edit the pre-key cannot see) is rebuilt and the step run again on it."""
 
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ def test_the_same_graph_is_loaded_and_any_change_is_a_new_entry(cache_dir, caplo
     assert len(_files(cache_dir)) == 1 and "loaded from" not in caplog.text
     caplog.clear()
     assert _trained_loss() == first  # the cached graph computes the same loss
-    assert "graph cache: training graph loaded from" in caplog.text and len(_files(cache_dir)) == 1
+    assert "graph cache: training graph found by the model's pre-key" in caplog.text and len(_files(cache_dir)) == 1
+    assert "rebuilding" not in caplog.text
     _trained_loss(hidden=9)  # another model structure
     _trained_loss(batch=5)  # another input shape
     assert len(_files(cache_dir)) == 3
@@ -126,3 +129,108 @@ def test_processes_building_the_same_graph_at_once_share_one_file(cache_dir):
     assert len(losses) == 1, outputs
     assert len(_files(cache_dir)) == 1
     assert not list(cache_dir.glob("*.tmp"))
+
+
+class _Activated(torch.nn.Module):
+    """Its activation is a function kept in an attribute: a change of it is invisible to the pre-key."""
+
+    def __init__(self, activation):
+        super().__init__()
+        self.first, self.drop, self.second = torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3)
+        self.activation = activation
+
+    def forward(self, x):
+        return self.second(self.drop(self.activation(self.first(x))))
+
+
+def _data_dependent(x):
+    return x if x.sum() > 0 else -x  # Python control flow on a tensor's value: cannot be traced
+
+
+def _activated_run(activation, steps=2, eval_first=False):
+    """(losses, eval loss, final weights) of a few steps of an `_Activated` model."""
+    torch.manual_seed(0)
+    model = _Activated(activation)
+    trainer = ORTTrainer(
+        model,
+        DESC,
+        optim.SGDConfig(lr=0.1),
+        loss_fn=torch.nn.functional.cross_entropy,
+        options={"utils": {"engine": "autograd"}},
+    )
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(steps)]
+    evaluated = float(trainer.eval_step(*batches[0])) if eval_first else None
+    losses = [float(trainer.train_step(*batch)) for batch in batches]
+    return losses, evaluated, {k: v.clone() for k, v in trainer.state_dict()["model"]["full_precision"].items()}
+
+
+def test_a_graph_found_by_its_pre_key_is_verified_and_rebuilt_when_the_model_changed_unseen(cache_dir, caplog):
+    _activated_run(torch.tanh)  # fills the cache
+    assert len(list(cache_dir.glob("*.alias"))) == 1
+    caplog.set_level(logging.INFO, logger="ort_trainer")
+    # the same model again: the pre-key finds the graph, the trace agrees, nothing is rebuilt
+    again = _activated_run(torch.tanh)
+    assert "found by the model's pre-key" in caplog.text and "rebuilding" not in caplog.text
+    caplog.clear()
+    # another activation: the same pre-key, another graph. The first step ran on the stale graph; its result is
+    # thrown away, the graph rebuilt from the trace, and the step run again with the same Dropout masks
+    changed = _activated_run(torch.sigmoid)
+    assert "found by the model's pre-key" in caplog.text and "rebuilding it from the trace" in caplog.text
+    caplog.clear()
+    uncached = os.environ.get("ORT_TRAINER_GRAPH_CACHE")
+    os.environ["ORT_TRAINER_GRAPH_CACHE"] = "0"
+    try:
+        fresh = _activated_run(torch.sigmoid)
+        fresh_tanh = _activated_run(torch.tanh)
+    finally:
+        if uncached is None:
+            del os.environ["ORT_TRAINER_GRAPH_CACHE"]
+        else:
+            os.environ["ORT_TRAINER_GRAPH_CACHE"] = uncached
+    assert changed[0] == fresh[0] and again[0] == fresh_tanh[0] and changed[0] != again[0]
+    for name, value in fresh[2].items():
+        torch.testing.assert_close(changed[2][name], value, rtol=0, atol=0)
+
+
+def test_an_eval_step_first_waits_for_the_training_graph_s_verifying_trace(cache_dir, caplog):
+    first = _activated_run(torch.tanh, eval_first=True)
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    changed = _activated_run(torch.sigmoid, eval_first=True)  # both graphs found by pre-key, both rejected
+    assert caplog.text.count("rebuilding it from the trace") == 2
+    os.environ["ORT_TRAINER_GRAPH_CACHE"] = "0"
+    try:
+        fresh = _activated_run(torch.sigmoid, eval_first=True)
+    finally:
+        del os.environ["ORT_TRAINER_GRAPH_CACHE"]
+    assert changed[:2] == fresh[:2] and changed[1] != first[1]
+
+
+def test_a_model_that_no_longer_traces_fails_its_first_step_and_leaves_the_trainer_as_it_was(cache_dir):
+    _activated_run(torch.tanh)
+    torch.manual_seed(0)
+    model = _Activated(_data_dependent)  # the same pre-key as the cached tanh model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ORTTrainer(
+        model,
+        DESC,
+        optim.SGDConfig(lr=0.1),
+        loss_fn=torch.nn.functional.cross_entropy,
+        options={"utils": {"engine": "autograd"}},
+    )
+    with pytest.raises(ValueError, match=r"could not trace .*test_graph_cache.py:\d+ \(return x if x.sum\(\) > 0"):
+        trainer.train_step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    state = trainer.state_dict()
+    for name, value in before.items():
+        torch.testing.assert_close(state["model"]["full_precision"][name], value, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="could not trace"):  # and again: never the stale graph
+        trainer.train_step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+
+
+def test_a_damaged_pre_key_file_is_dropped(cache_dir, caplog):
+    first = _trained_loss()
+    (alias,) = cache_dir.glob("*.alias")
+    alias.write_text("not a key")
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    assert _trained_loss() == first
+    assert "dropping unreadable" in caplog.text and len(alias.read_text()) == 64

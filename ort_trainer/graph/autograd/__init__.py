@@ -13,7 +13,9 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
   `fold_zero_scatter_adds`, `fold_one_hot_loss_gradients`, run by `graph_to_onnx`), and the ORT optimizers
   its sessions leave out (`DISABLED_ORT_OPTIMIZERS`);
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
-* ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions.
+* ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions;
+* ``_quick_key``: `quick_fingerprint`, the cache's pre-key read off the module without a trace (a resumed
+  job starts its first step on the cached graph while the trace that verifies it runs beside it).
 """
 
 from __future__ import annotations
@@ -21,21 +23,25 @@ from __future__ import annotations
 from ._cache import GraphCache, graph_cache_from_env
 from ._decompositions import training_decompositions
 from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
+from ._quick_key import quick_fingerprint
 from ._random import RandomInput, lift_random_ops
 from ._to_onnx import graph_to_onnx
-from ._trace import TracedGraph, TraceError, trace_graph
+from ._trace import GraphNames, TracedGraph, TraceError, constant_buffers, trace_graph
 
 __all__ = [
     "DISABLED_ORT_OPTIMIZERS",
     "GraphCache",
+    "GraphNames",
     "RandomInput",
     "TraceError",
     "TracedGraph",
     "collapse_layout_chains",
+    "constant_buffers",
     "fold_zero_scatter_adds",
     "graph_cache_from_env",
     "graph_to_onnx",
     "lift_random_ops",
+    "quick_fingerprint",
     "trace_graph",
     "training_decompositions",
 ]

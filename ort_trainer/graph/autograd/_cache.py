@@ -31,6 +31,7 @@ __all__ = ["GraphCache", "graph_cache_from_env"]
 
 _log = logging.getLogger("ort_trainer")
 _SUFFIX = ".onnx"
+_ALIAS = ".alias"  # a pre-key's file: the full key its graph was last verified under (`GraphCache.alias`)
 _VERSIONED = ("torch", "onnxscript", "onnx", "onnxruntime", "onnxruntime-training", "onnxruntime-gpu", "ort_trainer")
 
 
@@ -87,6 +88,38 @@ class GraphCache:
             raise
         self._trim()
 
+    def alias(self, quick_key: str) -> str | None:
+        """The full key that the graph of pre-key ``quick_key`` (`quick_fingerprint`) was stored under, if any.
+
+        A pre-key only finds a candidate: the engine verifies it against the full key of a real trace."""
+        path = self._path(quick_key, _ALIAS)
+        try:
+            text = path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        if not _is_key(text):
+            _log.warning("graph cache: dropping unreadable %s", path)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        return text
+
+    def put_alias(self, quick_key: str, key: str) -> None:
+        """Remember that pre-key ``quick_key`` leads to the graph of ``key`` (atomically, as `put`)."""
+        if not _is_key(key):
+            raise ValueError(f"graph cache key must be 64 hex digits, got {key!r}")
+        path = self._path(quick_key, _ALIAS)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(prefix=f".{quick_key[:16]}.", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as handle:
+                handle.write(key)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+
     @contextlib.contextmanager
     def building(self, key: str) -> Iterator[None]:
         """Hold the key's lock while building it: other processes building the same graph wait, then hit."""
@@ -98,14 +131,14 @@ class GraphCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _path(self, key: str) -> Path:
-        if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+    def _path(self, key: str, suffix: str = _SUFFIX) -> Path:
+        if not _is_key(key):
             raise ValueError(f"graph cache key must be 64 hex digits, got {key!r}")
-        return self.directory / f"{key}{_SUFFIX}"
+        return self.directory / f"{key}{suffix}"
 
     def _trim(self) -> None:
         entries = []
-        for path in self.directory.glob(f"*{_SUFFIX}"):
+        for path in (*self.directory.glob(f"*{_SUFFIX}"), *self.directory.glob(f"*{_ALIAS}")):
             with contextlib.suppress(OSError):
                 stat = path.stat()
                 entries.append((stat.st_mtime, stat.st_size, path))
@@ -118,6 +151,10 @@ class GraphCache:
                 path.with_suffix(".lock").unlink(missing_ok=True)
                 total -= size
                 _log.info("graph cache: evicted %s (%d bytes) to stay under %d bytes", path.name, size, self.max_bytes)
+
+
+def _is_key(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def graph_cache_from_env(enabled: bool = True) -> GraphCache | None:

@@ -37,12 +37,70 @@ from ort_trainer.graph._names import outer_module, plain_module
 from ._decompositions import training_decompositions
 from ._random import RandomInput, lift_random_ops
 
-__all__ = ["GRAD_SUFFIX", "UPDATED_SUFFIX", "TracedGraph", "trace_graph"]
+__all__ = ["GRAD_SUFFIX", "UPDATED_SUFFIX", "GraphNames", "TracedGraph", "constant_buffers", "trace_graph"]
 
 GRAD_SUFFIX = "_grad"  # output "<param>_grad": the parameter's gradient
 UPDATED_SUFFIX = "_updated"  # output "<buffer>_updated": a float buffer's value after the forward
 _PREFIX = "model."  # ModelWithLoss holds the module as `model`
 _LIBRARY_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[2]))
+
+
+@dataclass
+class GraphNames:
+    """The names that bind a finished graph to the trainer: its inputs and outputs, which parameters get a
+    gradient, which buffers it writes, and its random inputs. Stored as JSON in a cached graph, so that a
+    cache hit binds the graph without a trace (`to_json` / `from_json`)."""
+
+    input_names: list[str]  # trainable, frozen, constants, model_desc inputs, random draws
+    output_names: list[str]  # model_desc outputs, then <param>_grad, then <buffer>_updated
+    trained: list[str] = field(default_factory=list)
+    idle: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unused_inputs: tuple[str, ...] = ()
+    state_count: int = 0
+    random_inputs: list[RandomInput] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        randoms = [
+            [r.name, list(r.shape), str(r.dtype).removeprefix("torch."), r.kind, r.probability, r.stride]
+            for r in self.random_inputs
+        ]
+        fields = {
+            "inputs": self.input_names,
+            "outputs": self.output_names,
+            "trained": self.trained,
+            "idle": self.idle,
+            "updated": self.updated,
+            "unused": list(self.unused_inputs),
+            "state_count": self.state_count,
+            "random": randoms,
+        }
+        return json.dumps(fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> GraphNames:
+        """Parse `to_json`'s text; ValueError when it is not that (a cache file from another version)."""
+        try:
+            data = json.loads(text)
+            randoms = [
+                RandomInput(name, tuple(shape), getattr(torch, dtype), kind, float(p), None if s is None else tuple(s))
+                for name, shape, dtype, kind, p, s in data["random"]
+            ]
+            names = cls(
+                input_names=[str(n) for n in data["inputs"]],
+                output_names=[str(n) for n in data["outputs"]],
+                trained=[str(n) for n in data["trained"]],
+                idle=[str(n) for n in data["idle"]],
+                updated=[str(n) for n in data["updated"]],
+                unused_inputs=tuple(str(n) for n in data["unused"]),
+                state_count=int(data["state_count"]),
+                random_inputs=randoms,
+            )
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise ValueError(f"not the names of a cached graph ({type(error).__name__}: {error})") from None
+        if not all(isinstance(r.dtype, torch.dtype) for r in randoms):
+            raise ValueError("not the names of a cached graph (a random input's dtype is not a torch dtype)")
+        return names
 
 
 @dataclass
@@ -85,19 +143,28 @@ class TracedGraph:
         self.input_names = self.input_names + [r.name for r in self.random_inputs]
         self.sample_args = self.sample_args + draws
 
+    def names(self) -> GraphNames:
+        """What binds the finished graph to the trainer (after `finish` or `apply_metadata`)."""
+        return GraphNames(
+            input_names=list(self.input_names),
+            output_names=list(self.output_names),
+            trained=list(self.trained),
+            idle=list(self.idle),
+            updated=list(self.updated),
+            unused_inputs=tuple(self.unused_inputs),
+            state_count=self.state_count,
+            random_inputs=list(self.random_inputs),
+        )
+
     def metadata(self) -> str:
         """What a cached graph needs beside the ONNX model to be bound: JSON (`apply_metadata`)."""
-        randoms = [[r.name, list(r.shape), str(r.dtype).removeprefix("torch."), r.kind] for r in self.random_inputs]
-        fields = {"outputs": self.output_names, "updated": self.updated, "random": randoms}
-        return json.dumps({**fields, "inputs": self.input_names})
+        return self.names().to_json()
 
     def apply_metadata(self, text: str) -> None:
         """Take the finished graph's names from a cached graph's `metadata` (instead of `finish`)."""
-        data = json.loads(text)
-        self.output_names, self.updated, self.input_names = data["outputs"], data["updated"], data["inputs"]
-        self.random_inputs = [
-            RandomInput(n, tuple(shape), getattr(torch, dtype), kind) for n, shape, dtype, kind in data["random"]
-        ]
+        names = GraphNames.from_json(text)
+        self.output_names, self.updated, self.input_names = names.output_names, names.updated, names.input_names
+        self.random_inputs = names.random_inputs
         self._pending = None
 
     def fingerprint(self) -> str:
@@ -144,7 +211,7 @@ def trace_graph(
         known = set(trainable) | set(frozen)
         # every other buffer (ints, and float buffers outside the state dict: non-persistent ones such as rotary
         # inv_freq) enters as an input too, so that tracing never touches a real tensor of the module
-        constants = {n: b for n, b in plain.named_buffers() if n not in known}
+        constants = _constant_buffers(plain, known)
         names = [*trainable, *frozen, *constants]
         clash = sorted(set(names) & set(desc.input_names))
         if clash:
@@ -176,6 +243,17 @@ def trace_graph(
         state_count=len(names),
         _pending=(what, list(frozen), training),
     )
+
+
+def constant_buffers(model: torch.nn.Module, known: set[str]) -> dict[str, torch.Tensor]:
+    """The buffers of ``model`` that are not in ``known`` (the trainer's state): the graph's constant inputs
+    (int buffers, non-persistent float ones such as rotary ``inv_freq``), by the names `trace_graph` gives them."""
+    with plain_module(outer_module(model)) as plain:
+        return _constant_buffers(plain, known)
+
+
+def _constant_buffers(plain: torch.nn.Module, known: set[str]) -> dict[str, torch.Tensor]:
+    return {n: b for n, b in plain.named_buffers() if n not in known}
 
 
 def _graph_function(wrapper, desc: ModelDescription, trainable, frozen, constants, training: bool):

@@ -1,0 +1,137 @@
+"""`quick_fingerprint`: a graph cache pre-key read off the module in milliseconds, without tracing it.
+
+A trace of GPT-2 124M takes about 3 s on one core, as long as a training step, so a resumed job whose
+graph is in the cache would still pay a step for the trace that computes the cache key. The pre-key
+is what can be read from the module itself: its tree (names, classes, plain attributes, hooks), its
+parameters' and buffers' names, shapes and dtypes, the values of the constant buffers that a trace
+bakes in, the source files and package versions of its classes and of the loss, the inputs' shapes and
+dtypes, and torch's global dtype.
+
+It only *finds* a candidate graph: the engine runs the first step on it while the real trace is made
+beside it (ONNX Runtime releases the GIL while it runs), and keeps the step only if the trace's full
+key (`TracedGraph.fingerprint`) names the same graph. An edit the pre-key cannot see (a function kept in
+an attribute, a monkeypatched helper, a global flag) costs a rebuild, never a stale graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+
+import torch
+
+from ort_trainer.config.model_desc import ModelDescription
+from ort_trainer.graph._names import outer_module
+
+__all__ = ["quick_fingerprint"]
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def quick_fingerprint(
+    model: torch.nn.Module,
+    loss_fn: Callable | None,
+    desc: ModelDescription,
+    trainable: Mapping[str, torch.Tensor],
+    frozen: Mapping[str, torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    *,
+    training: bool,
+) -> str:
+    """sha256 of what can be read off ``model`` (+ ``loss_fn``) and the inputs without tracing them."""
+    digest = hashlib.sha256(b"quick-v1")
+    root = outer_module(model)
+    digest.update(repr((training, torch.get_default_dtype(), desc.input_names, desc.output_names)).encode())
+    digest.update(repr([(n, _tensor_spec(t)) for n, t in trainable.items()]).encode())
+    digest.update(repr([(n, _tensor_spec(t)) for n, t in frozen.items()]).encode())
+    digest.update(repr([_tensor_spec(t) for t in inputs]).encode())
+    known = set(trainable) | set(frozen)
+    for name, module in root.named_modules(remove_duplicate=False):
+        digest.update(_module_text(name, module).encode())
+    for name, buffer in root.named_buffers():
+        if name not in known:  # a constant input of the graph (position ids, a causal mask): its value counts
+            digest.update(name.encode())
+            digest.update(buffer.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    config = getattr(root, "config", None)
+    if hasattr(config, "to_json_string"):  # a Hugging Face model's whole configuration
+        digest.update(config.to_json_string(use_diff=False).encode())
+    classes = {cls for m in root.modules() for cls in type(m).__mro__}
+    for text in sorted(_code_text(cls) for cls in classes):  # sorted: a set's order differs between processes
+        digest.update(text.encode())
+    if loss_fn is not None:
+        digest.update(_code_text(loss_fn if isinstance(loss_fn, type) else type(loss_fn)).encode())
+        target = getattr(loss_fn, "__func__", loss_fn)
+        digest.update(_code_text(target).encode())
+        if isinstance(loss_fn, torch.nn.Module):
+            for name, module in loss_fn.named_modules(remove_duplicate=False):
+                digest.update(_module_text("loss." + name, module).encode())
+    return digest.hexdigest()
+
+
+def _tensor_spec(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), str(tensor.dtype), tensor.device.type, bool(tensor.requires_grad)
+
+
+def _module_text(name: str, module: torch.nn.Module) -> str:
+    """One submodule: its class, plain attributes (sizes, eps, flags), hooks, own parameters and buffers."""
+    plain = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and _is_plain(v))
+    hooks = [
+        [_qualname(hook) for hook in getattr(module, attribute).values()]
+        for attribute in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    ]
+    own = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters(recurse=False)]
+    own += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers(recurse=False)]
+    return repr((name, _qualname(type(module)), plain, hooks, own))
+
+
+def _is_plain(value: object) -> bool:
+    if isinstance(value, _PLAIN):
+        return True
+    return isinstance(value, tuple | list) and all(isinstance(v, _PLAIN) for v in value)
+
+
+def _qualname(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _code_text(obj: object) -> str:
+    """Where ``obj`` (a class or function) is defined: its name, source file's digest and package version."""
+    module_name = getattr(obj, "__module__", None) or ""
+    try:
+        path = inspect.getsourcefile(obj)  # type: ignore[arg-type]
+    except (TypeError, OSError):  # a builtin: its package's version says it all
+        path = None
+    return repr((_qualname(obj), _file_digest(path) if path else "", _package_version(module_name)))
+
+
+def _file_digest(path: str) -> str:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return ""
+    return _file_digest_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest_cached(path: str, mtime_ns: int, size: int) -> str:
+    try:
+        with open(path, "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest()
+    except OSError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1024)
+def _package_version(module_name: str) -> str:
+    top = module_name.partition(".")[0]
+    if not top or top in sys.builtin_module_names:
+        return ""
+    try:
+        return metadata.version(top)
+    except metadata.PackageNotFoundError:
+        return ""
