@@ -234,3 +234,57 @@ def test_a_damaged_pre_key_file_is_dropped(cache_dir, caplog):
     caplog.set_level(logging.WARNING, logger="ort_trainer")
     assert _trained_loss() == first
     assert "dropping unreadable" in caplog.text and len(alias.read_text()) == 64
+
+
+def _quick(model, inputs=None, training=True):
+    from ort_trainer.config.model_desc import validate_model_desc
+    from ort_trainer.graph.autograd import quick_fingerprint
+
+    desc = validate_model_desc(DESC, require_loss=True)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    inputs = inputs or [torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)]
+    return quick_fingerprint(model, torch.nn.functional.cross_entropy, desc, params, {}, inputs, training=training)
+
+
+def test_the_pre_key_sees_structure_sizes_attributes_constants_and_shapes_but_not_weights():
+    torch.manual_seed(0)
+    model = _Activated(torch.tanh)
+    key = _quick(model)
+    assert _quick(model) == key
+    with torch.no_grad():
+        model.first.weight.add_(1.0)  # the weights' values are inputs of the graph, not part of it
+    assert _quick(model) == key
+    assert _quick(model, [torch.zeros(5, 6), torch.zeros(5, dtype=torch.long)]) != key  # another batch size
+    assert _quick(model, training=False) != key
+    model.drop.p = 0.5  # a plain attribute: Dropout's probability
+    assert _quick(model) != key
+    model.drop.p = 0.3
+    model.register_buffer("table", torch.arange(3))  # a constant buffer: its value is baked into the graph
+    with_table = _quick(model)
+    assert with_table != key
+    model.table[0] = 7
+    assert _quick(model) != with_table
+    handle = model.first.register_forward_hook(lambda module, args, out: out * 2)
+    assert _quick(model) not in (key, with_table)
+    handle.remove()
+    model.activation = torch.sigmoid  # a function in an attribute: not seen (the verifying trace catches it)
+    assert _quick(_Activated(torch.sigmoid)) == _quick(_Activated(torch.tanh))
+
+
+def test_graph_names_round_trip_and_refuse_what_is_not_theirs():
+    from ort_trainer.graph.autograd import GraphNames, RandomInput
+
+    names = GraphNames(
+        input_names=["w", "x", "draw"],
+        output_names=["loss", "w_grad"],
+        trained=["w"],
+        idle=["v"],
+        updated=[],
+        unused_inputs=("mask",),
+        state_count=1,
+        random_inputs=[RandomInput("draw", (4, 8), torch.float32, "keep", 0.7, (8, 1))],
+    )
+    assert GraphNames.from_json(names.to_json()) == names
+    for text in ("not json", "{}", '{"inputs": 3}', names.to_json().replace('"float32"', '"nonsense"')):
+        with pytest.raises(ValueError, match="not the names of a cached graph"):
+            GraphNames.from_json(text)
