@@ -31,7 +31,7 @@ from ._fork_safety import track
 from ._protocols import GraphSource, ModelParallel, ModelParallelFactory
 from ._random import agreed_run_seed
 from ._rank_check import note_load
-from ._session import DeviceSpec, resolve_device, to_ortvalue
+from ._session import DeviceSpec, from_ortvalue, resolve_device, to_ortvalue
 from ._sources import ENGINES, build_engine, choose_engine, onnxblock_available
 from ._step import eval_step, train_step
 from ._store import ParamStore, build_store
@@ -57,6 +57,7 @@ __all__ = [
     "check_autograd_supported",
     "choose_engine",
     "eval_step",
+    "from_ortvalue",
     "note_load",
     "onnxblock_available",
     "resolve_device",

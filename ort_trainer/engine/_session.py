@@ -27,7 +27,7 @@ from ._memory import release_freed_memory
 from ._progress import BuildProgress
 from ._random import draws_randomness
 
-__all__ = ["DeviceSpec", "TrainingSession", "resolve_device", "to_ortvalue"]
+__all__ = ["DeviceSpec", "TrainingSession", "from_ortvalue", "resolve_device", "to_ortvalue"]
 
 _LAZY_RESET = "lazy_reset_grad"
 _ACCUMULATOR_FLAG = "_grad.accumulation.out"  # onnxblock's InPlaceAccumulatorV2 outputs
@@ -101,7 +101,9 @@ def _c_ortvalue(tensor: torch.Tensor) -> _C.OrtValue:
     return _C.OrtValue.from_dlpack(to_dlpack(tensor), False)
 
 
-def _to_torch(value: _C.OrtValue) -> torch.Tensor:
+def from_ortvalue(value: _C.OrtValue) -> torch.Tensor:
+    """A tensor ONNX Runtime allocated, as a torch tensor (zero-copy, DLPack): its memory goes back to ORT's
+    allocator when torch frees the tensor."""
     return from_dlpack(value.to_dlpack())
 
 
@@ -160,7 +162,7 @@ class _OutputBinding:
         if self._dynamic:
             values = self._io._iobinding.get_outputs()
             for name, position in self._dynamic:
-                fresh[name] = _to_torch(values[position])
+                fresh[name] = from_ortvalue(values[position])
         return fresh
 
 

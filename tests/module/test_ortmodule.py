@@ -239,3 +239,42 @@ def test_the_forward_saves_the_weights_and_activations_not_views_of_them(monkeyp
         if n.op == "call_function" and n.target in _backend._VIEWS and n.args[0].op == "placeholder"
     ]  # fmt: skip
     assert len(weight_views) >= 3
+
+
+class _Masked(torch.nn.Module):
+    """Its backward needs a bool mask the forward saves: an ORT output of type bool."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return torch.where(y > 0.1, y * 2.0, y * 0.5)
+
+
+def test_on_cpu_the_outputs_come_from_onnx_runtime_and_keep_their_dtypes(monkeypatch):
+    """The forward's saved tensors and the backward's gradients are ORT's own memory (no fresh pages per step); a
+    saved bool mask, which ORT's DLPack export gives as uint8, reaches the backward as bool."""
+    from ort_trainer.module import _graph
+
+    seen = []
+    real = _graph.from_ortvalue
+
+    def recording(value):
+        tensor = real(value)
+        seen.append(tensor.dtype)
+        return tensor
+
+    monkeypatch.setattr(_graph, "from_ortvalue", recording)
+    torch.manual_seed(0)
+    model = _Masked()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model)
+    for _ in range(2):  # the second step: last step's gradients were freed back into ORT's arena
+        x = torch.randn(4, 6)
+        wrapped(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        _assert_grads_equal(model, reference)
+    assert torch.uint8 in seen  # the mask as ORT hands it over (before it is viewed as bool)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
