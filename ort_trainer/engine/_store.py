@@ -181,12 +181,18 @@ def build_store(
 def _allocate(state: ModelState, layout: FlatLayout, zero, device: torch.device, dist) -> ParamStore:
     """Flat buffers with the initial values, frozen state, rank 0's values on every rank (no optimizer yet)."""
     allocated = zero.padded if zero is not None else layout.numel
-    padded_params = torch.zeros(allocated, dtype=torch.float32, device=device)
+    # written once: each slot by its initial value, the alignment gaps and the ZeRO padding by zeros (filling the
+    # whole buffer with zeros first wrote every weight twice: 0.24 s at GPT-2 124M)
+    padded_params = torch.empty(allocated, dtype=torch.float32, device=device)
     padded_grads = torch.empty(allocated, dtype=torch.float32, device=device)  # zeroed by build_store
     params, grads = padded_params[: layout.numel], padded_grads[: layout.numel]
     param_views, grad_views = layout.views(params), layout.views(grads)
-    for name, view in param_views.items():
-        view.copy_(state.initial[name])
+    written = 0
+    for slot in layout.slots:
+        padded_params[written : slot.offset].zero_()
+        param_views[slot.name].copy_(state.initial[slot.name])
+        written = slot.offset + slot.numel
+    padded_params[written:].zero_()
     frozen = {
         name: state.initial[name].detach().to(device=device, dtype=torch.float32).clone()
         for name in state.float_state

@@ -55,6 +55,10 @@ def test_the_gpu_layout_trains_exactly_as_the_packed_one_and_checkpoints_cross(m
     assert aligned_losses == packed_losses
     store = aligned.trainer_state.store
     assert store.layout.numel > sum(v.numel() for v in store.param_views.values())  # there are gaps
+    gaps = torch.ones(store.padded_params.numel(), dtype=torch.bool)
+    for slot in store.layout.slots:
+        gaps[slot.offset : slot.offset + slot.numel] = False
+    assert torch.count_nonzero(store.padded_params[gaps]) == 0  # the gaps and the padding hold zeros, never garbage
     for buffer, views in ((store.params, store.param_views), (store.grads, store.grad_views)):
         # 256 bytes from the buffer's start (torch's CUDA allocator starts a buffer on a 512-byte boundary)
         assert all((view.data_ptr() - buffer.data_ptr()) % 256 == 0 for view in views.values())
