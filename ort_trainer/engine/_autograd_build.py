@@ -135,7 +135,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     progress = BuildProgress(2, "ORTTrainer build (autograd engine)")
     try:
         with progress.phase("trace and export the training graph"):
-            first = build(None, True)
+            first = build(None, True, request.verify_beside_first_run)
         with progress.phase("training session"):
             session = AutogradSession(
                 build,

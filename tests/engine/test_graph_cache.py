@@ -288,3 +288,23 @@ def test_graph_names_round_trip_and_refuse_what_is_not_theirs():
     for text in ("not json", "{}", '{"inputs": 3}', names.to_json().replace('"float32"', '"nonsense"')):
         with pytest.raises(ValueError, match="not the names of a cached graph"):
             GraphNames.from_json(text)
+
+
+def test_check_model_export_traces_before_the_first_run_instead(cache_dir, caplog):
+    """``debug.check_model_export`` runs the module eagerly right after the build, which a trace in a thread must not
+    overlap: the cached graph is found by the full key of a trace made first."""
+    _trained_loss()
+    caplog.set_level(logging.INFO, logger="ort_trainer")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    trainer = ORTTrainer(
+        model,
+        DESC,
+        optim.SGDConfig(lr=0.1),
+        loss_fn=torch.nn.functional.cross_entropy,
+        options={"utils": {"engine": "autograd"}, "debug": {"check_model_export": True}},
+    )
+    g = torch.Generator().manual_seed(1)
+    loss = float(trainer.train_step(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)))
+    assert "graph cache: training graph loaded from" in caplog.text and "pre-key" not in caplog.text
+    assert loss == _trained_loss()
