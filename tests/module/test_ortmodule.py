@@ -278,3 +278,19 @@ def test_on_cpu_the_outputs_come_from_onnx_runtime_and_keep_their_dtypes(monkeyp
         _assert_grads_equal(model, reference)
     assert torch.uint8 in seen  # the mask as ORT hands it over (before it is viewed as bool)
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_module_graphs_sessions_share_one_cpu_arena():
+    """Each session kept an arena of its own, so the forward's scratch and the backward's were held side by side;
+    ORT's environment holds one CPU arena that every module graph's session takes its memory from."""
+    from ort_trainer.module import _graph
+
+    assert _graph._shared_cpu_arena()
+    assert _graph.session_options().get_session_config_entry("session.use_env_allocators") == "1"
+    torch.manual_seed(0)
+    model = _Masked()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 6)
+    ORTModule(model)(x).square().sum().backward()  # sessions made with these options run and give eager's grads
+    reference(x).square().sum().backward()
+    _assert_grads_equal(model, reference)
