@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import onnx
 import torch
@@ -83,35 +82,16 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         """The graphs for ``feeds`` (None: the first inputs); ``quick``: a cached graph found by its pre-key may
         be returned before its trace, which then runs beside the first step (`AutogradGraphs.pending`)."""
         inputs = [first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
-        named_inputs = dict(zip(desc.input_names, inputs, strict=True))
-        options = _cache_options(training)
         quick_key = None
         if cache is not None:
             fingerprint = quick_fingerprint(
                 request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training
             )
-            quick_key = cache.key(fingerprint, options)
-            found = _quick_hit(cache, quick_key, training) if quick else None
-            if found is not None:
-                model, names, key = found
-                known = set(trainable) | set(frozen) | set(desc.input_names)
-                module_constants = constant_buffers(request.model, set(trainable) | set(frozen))
-                if all(n in module_constants for n in names.input_names[: names.state_count] if n not in known):
-                    for name in names.input_names[: names.state_count]:
-                        if name not in known:
-                            constants.setdefault(name, module_constants[name].detach().clone())
-
-                    def verify() -> bool:
-                        """True when a trace of the model gives the graph the pre-key found."""
-                        try:
-                            traced = trace_graph(
-                                request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training
-                            )
-                        except TraceError as error:
-                            raise _explained_trace_error(request, error, inputs) from error
-                        return cache.key(traced.fingerprint(), options) == key
-
-                    return AutogradGraphs(model, names, named_inputs, pending=_in_background(verify))
+            quick_key = cache.key(fingerprint, _cache_options(training))
+            if quick:
+                found = _found_by_pre_key(request, cache, quick_key, inputs, trainable, frozen, training, constants)
+                if found is not None:
+                    return found
         traced = trace_graph(request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training)
         for name, value in zip(traced.input_names, traced.sample_args, strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
@@ -122,7 +102,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
                 cache.put_alias(quick_key, key)
             except OSError as error:
                 _log.warning("graph cache %s: could not store the graph's pre-key (%s)", cache.directory, error)
-        return AutogradGraphs(model, traced.names(), named_inputs)
+        return AutogradGraphs(model, traced.names(), dict(zip(desc.input_names, inputs, strict=True)))
 
     def explain(feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
         """A failed run (a label out of range...) explained by PyTorch on the same inputs, naming the input."""
@@ -191,37 +171,52 @@ def _cache_options(training: bool) -> dict[str, object]:
     return {"training": training, "opset": "exporter-default"}
 
 
-def _quick_hit(cache: GraphCache, quick_key: str, training: bool) -> tuple[onnx.ModelProto, GraphNames, str] | None:
-    """The cached graph that pre-key ``quick_key`` led to before, its names and its full key; None on a miss."""
+def _found_by_pre_key(
+    request: BuildRequest,
+    cache: GraphCache,
+    quick_key: str,
+    inputs: list[torch.Tensor],
+    trainable: dict[str, torch.Tensor],
+    frozen: dict[str, torch.Tensor],
+    training: bool,
+    constants: dict[str, torch.Tensor],
+) -> AutogradGraphs | None:
+    """The cached graph that pre-key ``quick_key`` led to before, with the trace that verifies it started in a
+    thread (`AutogradGraphs.pending`); its constant inputs added to ``constants``. None on a miss."""
     key = cache.alias(quick_key)
     model = cache.get(key) if key is not None else None
     if model is None:
         return None
-    metadata = {p.key: p.value for p in model.metadata_props}
     try:
-        names = GraphNames.from_json(metadata[_METADATA])
+        names = GraphNames.from_json({p.key: p.value for p in model.metadata_props}[_METADATA])
     except (KeyError, ValueError):
         return None
+    desc, state = request.desc, set(trainable) | set(frozen)
+    wanted = [n for n in names.input_names[: names.state_count] if n not in state and n not in desc.input_names]
+    module_constants = constant_buffers(request.model, state)
+    if any(n not in module_constants for n in wanted):  # the module lost a buffer the graph reads: trace it
+        return None
+    for name in wanted:
+        constants.setdefault(name, module_constants[name].detach().clone())
+
+    def verify() -> bool:
+        """True when a trace of the model gives the graph the pre-key found."""
+        try:
+            traced = trace_graph(request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training)
+        except TraceError as error:
+            raise _explained_trace_error(request, error, inputs) from error
+        return cache.key(traced.fingerprint(), _cache_options(training)) == key
+
     _log.info(
         "graph cache: %s graph found by the model's pre-key in %s; a trace verifies it beside the first step",
         "training" if training else "eval",
         cache.directory,
     )
-    return model, names, key
-
-
-def _in_background(check: Callable[[], bool]) -> Future:
-    """Run ``check`` in a daemon thread; its result (or exception) in the returned future."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(check())
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
-            future.set_exception(error)
-
-    threading.Thread(target=run, name="ort_trainer-graph-verify", daemon=True).start()
-    return future
+    # ONNX Runtime releases the GIL while it runs, so the trace overlaps the first run; the worker ends with it
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ort_trainer-graph-verify")
+    pending = executor.submit(verify)
+    executor.shutdown(wait=False)  # not `with`: leaving it would wait for the trace here, before the run
+    return AutogradGraphs(model, names, dict(zip(desc.input_names, inputs, strict=True)), pending=pending)
 
 
 def _exported(traced: TracedGraph, cache: GraphCache | None, training: bool) -> tuple[onnx.ModelProto, str | None]:

@@ -83,16 +83,16 @@ class _ShapeSession:
         wanted = {i.name for i in self.session.get_inputs()}
         self.input_names = wanted
         self.bind_state(owner._state)
-        traced = graphs.names
-        self.grad_names = [(n, n + "_grad") for n in traced.trained] if training else []
-        self.updated = [(n, n + "_updated") for n in traced.updated] if training else []
+        names = graphs.names
+        self.grad_names = [(n, n + "_grad") for n in names.trained] if training else []
+        self.updated = [(n, n + "_updated") for n in names.updated] if training else []
         read = set(owner._user_outputs) | {out for _, out in self.updated}
         grad_outputs = {out for _, out in self.grad_names}
         self.out = _OutputBinding(self.session, self.io, device, read - grad_outputs)
         # the step's random draws (Dropout masks): graph inputs filled before every training run (`fill_random`)
         self.random = [
             (spec, torch.empty(spec.shape, dtype=spec.dtype, device=device.torch_device))
-            for spec in traced.random_inputs
+            for spec in names.random_inputs
             if spec.name in wanted
         ]
         for spec, buffer in self.random:

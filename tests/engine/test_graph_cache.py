@@ -23,16 +23,15 @@ from tests.paths import REPO
 DESC = {"inputs": [("x", ["batch", 6]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
 
 
-def _trained_loss(hidden=8, batch=4, **utils):
+def _sgd_trainer(model, debug=None, **utils):
+    options = {"utils": {"engine": "autograd", **utils}, "debug": debug or {}}
+    return ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=torch.nn.functional.cross_entropy, options=options)
+
+
+def _trained_loss(hidden=8, batch=4, debug=None, **utils):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
-    trainer = ORTTrainer(
-        model,
-        DESC,
-        optim.SGDConfig(lr=0.1),
-        loss_fn=torch.nn.functional.cross_entropy,
-        options={"utils": {"engine": "autograd", **utils}},
-    )
+    trainer = _sgd_trainer(model, debug, **utils)
     g = torch.Generator().manual_seed(1)
     return float(trainer.train_step(torch.randn(batch, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)))
 
@@ -150,14 +149,7 @@ def _data_dependent(x):
 def _activated_run(activation, steps=2, eval_first=False):
     """(losses, eval loss, final weights) of a few steps of an `_Activated` model."""
     torch.manual_seed(0)
-    model = _Activated(activation)
-    trainer = ORTTrainer(
-        model,
-        DESC,
-        optim.SGDConfig(lr=0.1),
-        loss_fn=torch.nn.functional.cross_entropy,
-        options={"utils": {"engine": "autograd"}},
-    )
+    trainer = _sgd_trainer(_Activated(activation))
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(steps)]
     evaluated = float(trainer.eval_step(*batches[0])) if eval_first else None
@@ -165,7 +157,9 @@ def _activated_run(activation, steps=2, eval_first=False):
     return losses, evaluated, {k: v.clone() for k, v in trainer.state_dict()["model"]["full_precision"].items()}
 
 
-def test_a_graph_found_by_its_pre_key_is_verified_and_rebuilt_when_the_model_changed_unseen(cache_dir, caplog):
+def test_a_graph_found_by_its_pre_key_is_verified_and_rebuilt_when_the_model_changed_unseen(
+    cache_dir, caplog, monkeypatch
+):
     _activated_run(torch.tanh)  # fills the cache
     assert len(list(cache_dir.glob("*.alias"))) == 1
     caplog.set_level(logging.INFO, logger="ort_trainer")
@@ -178,31 +172,21 @@ def test_a_graph_found_by_its_pre_key_is_verified_and_rebuilt_when_the_model_cha
     changed = _activated_run(torch.sigmoid)
     assert "found by the model's pre-key" in caplog.text and "rebuilding it from the trace" in caplog.text
     caplog.clear()
-    uncached = os.environ.get("ORT_TRAINER_GRAPH_CACHE")
-    os.environ["ORT_TRAINER_GRAPH_CACHE"] = "0"
-    try:
-        fresh = _activated_run(torch.sigmoid)
-        fresh_tanh = _activated_run(torch.tanh)
-    finally:
-        if uncached is None:
-            del os.environ["ORT_TRAINER_GRAPH_CACHE"]
-        else:
-            os.environ["ORT_TRAINER_GRAPH_CACHE"] = uncached
+    monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE", "0")  # the reference: built from the trace, no cache
+    fresh = _activated_run(torch.sigmoid)
+    fresh_tanh = _activated_run(torch.tanh)
     assert changed[0] == fresh[0] and again[0] == fresh_tanh[0] and changed[0] != again[0]
     for name, value in fresh[2].items():
         torch.testing.assert_close(changed[2][name], value, rtol=0, atol=0)
 
 
-def test_an_eval_step_first_waits_for_the_training_graph_s_verifying_trace(cache_dir, caplog):
+def test_an_eval_step_first_waits_for_the_training_graph_s_verifying_trace(cache_dir, caplog, monkeypatch):
     first = _activated_run(torch.tanh, eval_first=True)
     caplog.set_level(logging.WARNING, logger="ort_trainer")
     changed = _activated_run(torch.sigmoid, eval_first=True)  # both graphs found by pre-key, both rejected
     assert caplog.text.count("rebuilding it from the trace") == 2
-    os.environ["ORT_TRAINER_GRAPH_CACHE"] = "0"
-    try:
-        fresh = _activated_run(torch.sigmoid, eval_first=True)
-    finally:
-        del os.environ["ORT_TRAINER_GRAPH_CACHE"]
+    monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE", "0")
+    fresh = _activated_run(torch.sigmoid, eval_first=True)
     assert changed[:2] == fresh[:2] and changed[1] != first[1]
 
 
@@ -211,13 +195,7 @@ def test_a_model_that_no_longer_traces_fails_its_first_step_and_leaves_the_train
     torch.manual_seed(0)
     model = _Activated(_data_dependent)  # the same pre-key as the cached tanh model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = ORTTrainer(
-        model,
-        DESC,
-        optim.SGDConfig(lr=0.1),
-        loss_fn=torch.nn.functional.cross_entropy,
-        options={"utils": {"engine": "autograd"}},
-    )
+    trainer = _sgd_trainer(model)
     with pytest.raises(ValueError, match=r"could not trace .*test_graph_cache.py:\d+ \(return x if x.sum\(\) > 0"):
         trainer.train_step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
     state = trainer.state_dict()
@@ -293,18 +271,7 @@ def test_graph_names_round_trip_and_refuse_what_is_not_theirs():
 def test_check_model_export_traces_before_the_first_run_instead(cache_dir, caplog):
     """``debug.check_model_export`` runs the module eagerly right after the build, which a trace in a thread must not
     overlap: the cached graph is found by the full key of a trace made first."""
-    _trained_loss()
+    first = _trained_loss()
     caplog.set_level(logging.INFO, logger="ort_trainer")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    trainer = ORTTrainer(
-        model,
-        DESC,
-        optim.SGDConfig(lr=0.1),
-        loss_fn=torch.nn.functional.cross_entropy,
-        options={"utils": {"engine": "autograd"}, "debug": {"check_model_export": True}},
-    )
-    g = torch.Generator().manual_seed(1)
-    loss = float(trainer.train_step(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)))
+    assert _trained_loss(debug={"check_model_export": True}) == first
     assert "graph cache: training graph loaded from" in caplog.text and "pre-key" not in caplog.text
-    assert loss == _trained_loss()

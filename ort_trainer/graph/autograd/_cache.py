@@ -75,17 +75,7 @@ class GraphCache:
 
     def put(self, key: str, model: onnx.ModelProto) -> None:
         """Write atomically (temporary file + rename), then trim the folder to its bound."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        data = model.SerializeToString()
-        fd, temp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-            os.replace(temp, self._path(key))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
+        self._write(self._path(key), model.SerializeToString())
         self._trim()
 
     def alias(self, quick_key: str) -> str | None:
@@ -108,17 +98,7 @@ class GraphCache:
         """Remember that pre-key ``quick_key`` leads to the graph of ``key`` (atomically, as `put`)."""
         if not _is_key(key):
             raise ValueError(f"graph cache key must be 64 hex digits, got {key!r}")
-        path = self._path(quick_key, _ALIAS)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(prefix=f".{quick_key[:16]}.", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w", encoding="ascii") as handle:
-                handle.write(key)
-            os.replace(temp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
+        self._write(self._path(quick_key, _ALIAS), key.encode("ascii"))
 
     @contextlib.contextmanager
     def building(self, key: str) -> Iterator[None]:
@@ -130,6 +110,19 @@ class GraphCache:
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _write(self, path: Path, data: bytes) -> None:
+        """``data`` to ``path`` under a temporary name, then renamed: a reader never sees half a file."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
 
     def _path(self, key: str, suffix: str = _SUFFIX) -> Path:
         if not _is_key(key):
