@@ -112,6 +112,19 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
             explained.explained = True  # `diagnosis.explain_run_errors` passes it on as it is
         return explained
 
+    engine: Engine | None = None
+
+    def adopt(graphs: AutogradGraphs) -> None:
+        """The first training graph, rebuilt after its verifying trace rejected the cached one (during the first
+        step, before any update): the engine's facts taken from the rejected graph are taken from this one."""
+        _note_unused_inputs(graphs.names.unused_inputs)
+        store.optimizer.set_idle(graphs.names.idle)
+        save_debug_graph(request, "model_with_gradient_graph_path", graphs.model)
+        save_debug_graph(request, "model_with_training_graph_path", graphs.model)
+        if engine is not None:
+            engine.output_types = _output_types(graphs.model)
+            engine.tracks_batches = bool(graphs.names.updated)
+
     progress = BuildProgress(2, "ORTTrainer build (autograd engine)")
     try:
         with progress.phase("trace and export the training graph"):
@@ -130,16 +143,11 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
                 request.session_options,
                 request.shrink_arena,
                 explain=explain,
+                adopt=adopt,
             )
     except TraceError as error:
         raise _explained_trace_error(request, error, list(sample_inputs)) from error
-    if first.names.unused_inputs:
-        warnings.warn(
-            f"model_desc inputs {list(first.names.unused_inputs)} are not used by the model (the traced graph "
-            "does not read them); train_step and eval_step still accept them and ignore them",
-            UserWarning,
-            stacklevel=5,
-        )
+    _note_unused_inputs(first.names.unused_inputs)
     save_debug_graph(request, "model_with_gradient_graph_path", first.model)
     save_debug_graph(request, "model_with_training_graph_path", first.model)
     store.optimizer.set_idle(first.names.idle)
@@ -147,15 +155,29 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         _log.info("parameters the loss does not reach (never updated): %s", first.names.idle)
     release_freed_memory(collect=first.pending is None)  # a traced graph leaves cycles; a cache hit leaves none
     progress.close()
-    return engine_for(
+    engine = engine_for(  # every input is passed to the session, which feeds its graph those it reads
         request,
         session,
         sample_inputs,
         eval_model=None,
-        unused_inputs=first.names.unused_inputs,
-        output_types={o.name: o.type.tensor_type.elem_type for o in first.model.graph.output},
+        output_types=_output_types(first.model),
         tracks_batches=bool(first.names.updated),  # BatchNorm statistics are the buffers a forward writes
     )
+    return engine
+
+
+def _note_unused_inputs(unused: Sequence[str]) -> None:
+    if unused:
+        warnings.warn(
+            f"model_desc inputs {list(unused)} are not used by the model (the traced graph does not read them); "
+            "train_step and eval_step still accept them and ignore them",
+            UserWarning,
+            stacklevel=6,
+        )
+
+
+def _output_types(model: onnx.ModelProto) -> dict[str, int]:
+    return {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
 
 
 def _explained_trace_error(request: BuildRequest, error: TraceError, inputs: Sequence[torch.Tensor]) -> Exception:

@@ -140,8 +140,9 @@ class AutogradSession:
         shrink_arena: bool = False,
         max_shapes: int = 4,
         explain: Callable[[Mapping[str, torch.Tensor], Exception], Exception | None] | None = None,
+        adopt: Callable[[AutogradGraphs], None] | None = None,
     ):
-        self._build, self._device, self._explain = build, device, explain
+        self._build, self._device, self._explain, self._adopt = build, device, explain, adopt
         self._session_options, self._user_outputs = session_options, list(user_outputs)
         self._params, self._grads, self._flat_grads = params, grads, flat_grads
         self._frozen, self._constants = frozen, constants
@@ -155,6 +156,7 @@ class AutogradSession:
         self._trimmed = False
         self._generator = torch.Generator(device=device.torch_device)
         self._untrusted: set[tuple[bool, tuple]] = set()  # (training, signature): rebuilt without the pre-key
+        self._unused = frozenset(first.names.unused_inputs)  # inputs the first graph does not read: not fed
         self._first = _first_signature(first)
         self._train[self._first] = _ShapeSession(self, first, training=True)
         self.draws_randomness = self._train[self._first].draws_randomness
@@ -174,7 +176,7 @@ class AutogradSession:
             session = next(reversed(self._eval.values()))
         else:
             session = self._session_for(self._eval, self._first, training=False, inputs=None)
-            if not self._trusted(session, self._first, training=False):
+            if not self._trusted(session, training=False):
                 session = self._session_for(self._eval, self._first, training=False, inputs=None)
         model = onnx.ModelProto()
         model.CopyFrom(session.graphs.model)
@@ -198,20 +200,21 @@ class AutogradSession:
 
     def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
         """One forward + backward; gradients overwrite the buffer (``reset_grad``) or are added to it."""
-        signature = _signature(inputs)
         while True:  # twice at most: a cached graph that its verifying trace rejects is rebuilt and run again
-            shape = self._session_for(self._train, signature, training=True, inputs=inputs)
+            shape = self._session_for(self._train, self._signature(inputs), training=True, inputs=inputs)
             draws = self._generator.get_state() if shape.graphs.pending is not None else None
             shape.fill_random(self._generator)
             if reset_grad:
                 shape.bind_gradients(self._grads, "grads")
             else:
                 shape.bind_gradients(self._scratch_targets(), "scratch")
-            outputs = self._run(shape, inputs, signature, training=True)
-            if outputs is not None and self._trusted(shape, signature, training=True):
+            outputs = self._run(shape, inputs, training=True)
+            if outputs is not None and self._trusted(shape, training=True):
                 break
             if draws is not None:
                 self._generator.set_state(draws)  # the rerun draws the same Dropout masks
+            # the rejected graph may have written gradients of parameters the rebuilt one leaves idle
+            (self._flat_grads if reset_grad else self._scratch).zero_()
         if not reset_grad:
             self._flat_grads.add_(self._scratch)
         for name, output in shape.updated:
@@ -222,14 +225,17 @@ class AutogradSession:
         return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        signature = _signature(inputs)
         while True:
-            shape = self._session_for(self._eval, signature, training=False, inputs=inputs)
-            outputs = self._run(shape, inputs, signature, training=False)
-            if outputs is not None and self._trusted(shape, signature, training=False):
+            shape = self._session_for(self._eval, self._signature(inputs), training=False, inputs=inputs)
+            outputs = self._run(shape, inputs, training=False)
+            if outputs is not None and self._trusted(shape, training=False):
                 return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     # ---------------------------------------------------------------- internals
+    def _signature(self, inputs: Mapping[str, torch.Tensor]) -> tuple:
+        """The graph ``inputs`` need: the name, shape and dtype of each input the first graph reads."""
+        return _signature({n: t for n, t in inputs.items() if n not in self._unused})
+
     def _session_for(self, sessions: OrderedDict, signature: tuple, *, training: bool, inputs) -> _ShapeSession:
         found = sessions.get(signature)
         if found is not None:
@@ -244,12 +250,23 @@ class AutogradSession:
             graphs = self._build(inputs, training, (training, signature) not in self._untrusted)
             found = _ShapeSession(self, graphs, training=training)
         progress.close()
+        if training and signature == self._first:  # the first graph again, after a trace rejected the cached one
+            signature = self._adopt_first(graphs)
         sessions[signature] = found
         while len(sessions) > self._max_shapes:
             sessions.popitem(last=False)
         return found
 
-    def _trusted(self, shape: _ShapeSession, signature: tuple, *, training: bool) -> bool:
+    def _adopt_first(self, graphs: AutogradGraphs) -> tuple:
+        """The first graph, rebuilt: what was taken from the rejected one (inputs left unfed, idle parameters,
+        output dtypes) is taken from it instead; its signature."""
+        self._unused = frozenset(graphs.names.unused_inputs)
+        self._first = _first_signature(graphs)
+        if self._adopt is not None:
+            self._adopt(graphs)
+        return self._first
+
+    def _trusted(self, shape: _ShapeSession, *, training: bool) -> bool:
         """Wait for the verifying trace of a graph found by its pre-key. False when the trace gives another graph
         (or fails): the session is dropped and the graph rebuilt from the trace. No pending trace: True."""
         pending = shape.graphs.pending
@@ -257,6 +274,7 @@ class AutogradSession:
             return True
         shape.graphs.pending = None
         sessions = self._train if training else self._eval
+        signature = next((key for key, value in sessions.items() if value is shape), None)
         try:
             verified = pending.result()
         except BaseException:
@@ -271,15 +289,16 @@ class AutogradSession:
             self._distrust(sessions, signature, training)
         return verified
 
-    def _distrust(self, sessions: OrderedDict, signature: tuple, training: bool) -> None:
-        sessions.pop(signature, None)
-        self._untrusted.add((training, signature))
+    def _distrust(self, sessions: OrderedDict, signature: tuple | None, training: bool) -> None:
+        if signature is not None:
+            sessions.pop(signature)
+            self._untrusted.add((training, signature))
 
     def _settle_all(self) -> None:
         """Wait for every verifying trace still running (the graphs it rejects are dropped)."""
         for training, sessions in ((True, self._train), (False, self._eval)):
-            for signature, shape in list(sessions.items()):
-                self._trusted(shape, signature, training=training)
+            for shape in list(sessions.values()):
+                self._trusted(shape, training=training)
 
     def _scratch_targets(self) -> dict[str, torch.Tensor]:
         """Views of a zeroed scratch buffer laid out like the flat gradient buffer (made once)."""
@@ -292,13 +311,13 @@ class AutogradSession:
         return self._scratch_views
 
     def _run(
-        self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor], signature: tuple, *, training: bool
+        self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor], *, training: bool
     ) -> dict[str, torch.Tensor] | None:
         """The run's outputs; None when it failed on a cached graph that its verifying trace then rejected."""
         try:
             return self._run_bound(shape, inputs)
         except Exception as error:  # noqa: BLE001 - ONNX Runtime's run errors: explained where PyTorch can
-            if not self._trusted(shape, signature, training=training):  # (no eager run while a trace is running)
+            if not self._trusted(shape, training=training):  # (no eager run while a trace is running)
                 return None
             explained = self._explain(inputs, error) if self._explain is not None else None
             if explained is not None:

@@ -5,6 +5,7 @@ a graph the trace rejects (an edit the pre-key cannot see) is rebuilt and the st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -130,26 +131,33 @@ def test_processes_building_the_same_graph_at_once_share_one_file(cache_dir):
     assert not list(cache_dir.glob("*.tmp"))
 
 
-class _Activated(torch.nn.Module):
-    """Its activation is a function kept in an attribute: a change of it is invisible to the pre-key."""
+_ACTIVATION = {"now": torch.tanh}  # a global the forward reads: a change of it is invisible to the pre-key
 
-    def __init__(self, activation):
+
+class _Activated(torch.nn.Module):
+    def __init__(self):
         super().__init__()
         self.first, self.drop, self.second = torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3)
-        self.activation = activation
 
     def forward(self, x):
-        return self.second(self.drop(self.activation(self.first(x))))
+        return self.second(self.drop(_ACTIVATION["now"](self.first(x))))
 
 
 def _data_dependent(x):
     return x if x.sum() > 0 else -x  # Python control flow on a tensor's value: cannot be traced
 
 
+@pytest.fixture(autouse=True)
+def _tanh_again():
+    yield
+    _ACTIVATION["now"] = torch.tanh
+
+
 def _activated_run(activation, steps=2, eval_first=False):
     """(losses, eval loss, final weights) of a few steps of an `_Activated` model."""
     torch.manual_seed(0)
-    trainer = _sgd_trainer(_Activated(activation))
+    _ACTIVATION["now"] = activation
+    trainer = _sgd_trainer(_Activated())
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(steps)]
     evaluated = float(trainer.eval_step(*batches[0])) if eval_first else None
@@ -193,7 +201,8 @@ def test_an_eval_step_first_waits_for_the_training_graph_s_verifying_trace(cache
 def test_a_model_that_no_longer_traces_fails_its_first_step_and_leaves_the_trainer_as_it_was(cache_dir):
     _activated_run(torch.tanh)
     torch.manual_seed(0)
-    model = _Activated(_data_dependent)  # the same pre-key as the cached tanh model
+    _ACTIVATION["now"] = _data_dependent
+    model = _Activated()  # the same pre-key as the cached tanh model
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _sgd_trainer(model)
     with pytest.raises(ValueError, match=r"could not trace .*test_graph_cache.py:\d+ \(return x if x.sum\(\) > 0"):
@@ -226,7 +235,7 @@ def _quick(model, inputs=None, training=True):
 
 def test_the_pre_key_sees_structure_sizes_attributes_constants_and_shapes_but_not_weights():
     torch.manual_seed(0)
-    model = _Activated(torch.tanh)
+    model = _Activated()
     key = _quick(model)
     assert _quick(model) == key
     with torch.no_grad():
@@ -245,8 +254,20 @@ def test_the_pre_key_sees_structure_sizes_attributes_constants_and_shapes_but_no
     handle = model.first.register_forward_hook(lambda module, args, out: out * 2)
     assert _quick(model) not in (key, with_table)
     handle.remove()
-    model.activation = torch.sigmoid  # a function in an attribute: not seen (the verifying trace catches it)
-    assert _quick(_Activated(torch.sigmoid)) == _quick(_Activated(torch.tanh))
+    key = _quick(model)
+    model._scale = 2.0  # a private plain attribute (an HF loss wrapper's factor)
+    assert _quick(model) != key
+    del model._scale
+    assert _quick(model) == key
+    model.activation = torch.tanh  # a function kept in an attribute
+    with_tanh = _quick(model)
+    model.activation = torch.sigmoid
+    with_sigmoid = _quick(model)
+    model.activation = _data_dependent
+    assert len({key, with_tanh, with_sigmoid, _quick(model)}) == 4
+    del model.activation
+    _ACTIVATION["now"] = torch.sigmoid  # a global the forward reads: not seen (the verifying trace catches it)
+    assert _quick(model) == key
 
 
 def test_graph_names_round_trip_and_refuse_what_is_not_theirs():
@@ -275,3 +296,63 @@ def test_check_model_export_traces_before_the_first_run_instead(cache_dir, caplo
     caplog.set_level(logging.INFO, logger="ort_trainer")
     assert _trained_loss(debug={"check_model_export": True}) == first
     assert "graph cache: training graph loaded from" in caplog.text and "pre-key" not in caplog.text
+
+
+_SWITCH = {"weighted": False}  # a global the forward reads: no pre-key can see it
+
+
+class _Switched(torch.nn.Module):
+    """Weighted, it reads the ``weight`` input and trains ``spare``; unweighted, both go unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.spare = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, x, label, weight):
+        hidden = torch.relu(self.first(x))
+        if _SWITCH["weighted"]:
+            logits = self.second(hidden) + self.spare(hidden)
+            losses = torch.nn.functional.cross_entropy(logits, label, reduction="none")
+            return (losses * weight).mean()
+        return torch.nn.functional.cross_entropy(self.second(hidden), label)
+
+
+def _switched_run(weighted):
+    """(train losses, eval loss, final weights) of three clipped SGD steps of `_Switched`."""
+    _SWITCH["weighted"] = weighted
+    torch.manual_seed(0)
+    desc = {
+        "inputs": [("x", ["batch", 6]), ("label", ["batch"]), ("weight", ["batch"])],
+        "outputs": [("loss", [], True)],
+    }
+    options = {"utils": {"engine": "autograd", "grad_norm_clip": True}}
+    trainer = ORTTrainer(_Switched(), desc, optim.SGDConfig(lr=0.5), options=options)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g), torch.rand(4, generator=g))
+        for _ in range(3)
+    ]
+    with pytest.warns(UserWarning, match="not used") if not weighted else contextlib.nullcontext():
+        losses = [float(trainer.train_step(*batch)) for batch in batches]
+    evaluated = float(trainer.eval_step(*batches[0]))
+    return losses, evaluated, {k: v.clone() for k, v in trainer.state_dict()["model"]["full_precision"].items()}
+
+
+@pytest.mark.parametrize("cached, now", [(False, True), (True, False)], ids=["input-appears", "input-goes"])
+def test_a_rejected_graph_s_inputs_idle_parameters_and_gradients_follow_the_rebuilt_graph(
+    cached, now, cache_dir, caplog, monkeypatch
+):
+    """The graph found by the pre-key read other inputs and trained other parameters than the trace's graph: the
+    rebuilt graph is fed the inputs it reads, its idle parameters stay put, and no stale gradient is left behind."""
+    try:
+        _switched_run(cached)  # fills the cache under the same pre-key
+        caplog.set_level(logging.WARNING, logger="ort_trainer")
+        changed = _switched_run(now)
+        assert "rebuilding it from the trace" in caplog.text
+        monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE", "0")
+        fresh = _switched_run(now)
+    finally:
+        _SWITCH["weighted"] = False
+    assert changed[:2] == fresh[:2]
+    for name, value in fresh[2].items():
+        torch.testing.assert_close(changed[2][name], value, rtol=0, atol=0, msg=name)

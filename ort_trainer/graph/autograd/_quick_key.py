@@ -4,13 +4,13 @@ A trace of GPT-2 124M takes about 3 s on one core, as long as a training step, s
 graph is in the cache would still pay a step for the trace that computes the cache key. The pre-key
 is what can be read from the module itself: its tree (names, classes, plain attributes, hooks), its
 parameters' and buffers' names, shapes and dtypes, the values of the constant buffers that a trace
-bakes in, the source files and package versions of its classes and of the loss, the inputs' shapes and
-dtypes, and torch's global dtype.
+bakes in, the functions kept in attributes, the source files and package versions of its classes and of
+the loss, the inputs' shapes and dtypes, and torch's global dtype.
 
 It only *finds* a candidate graph: the engine runs the first step on it while the real trace is made
 beside it (ONNX Runtime releases the GIL while it runs), and keeps the step only if the trace's full
-key (`TracedGraph.fingerprint`) names the same graph. An edit the pre-key cannot see (a function kept in
-an attribute, a monkeypatched helper, a global flag) costs a rebuild, never a stale graph.
+key (`TracedGraph.fingerprint`) names the same graph. An edit the pre-key cannot see (a monkeypatched
+helper, a global flag, an attribute of an object a bound method reads) costs a rebuild, never a stale graph.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import os
 import sys
+import types
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 
@@ -31,6 +32,7 @@ from ort_trainer.graph._names import outer_module
 __all__ = ["quick_fingerprint"]
 
 _PLAIN = (bool, int, float, str, type(None))
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
 
 
 def quick_fingerprint(
@@ -78,21 +80,40 @@ def _tensor_spec(tensor: torch.Tensor) -> tuple:
 
 
 def _module_text(name: str, module: torch.nn.Module) -> str:
-    """One submodule: its class, plain attributes (sizes, eps, flags), hooks, own parameters and buffers."""
-    plain = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and _is_plain(v))
+    """One submodule: its class, plain attributes (sizes, eps, flags, a private scale factor), the functions
+    kept in attributes (an activation, a bound ``compute_loss``), hooks, own parameters and buffers."""
+    plain = sorted((k, v) for k, v in vars(module).items() if _is_plain(v))
+    functions = sorted((k, _function_text(v)) for k, v in vars(module).items() if _is_function(v))
     hooks = [
         [_qualname(hook) for hook in getattr(module, attribute).values()]
         for attribute in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     ]
     own = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters(recurse=False)]
     own += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers(recurse=False)]
-    return repr((name, _qualname(type(module)), plain, hooks, own))
+    return repr((name, _qualname(type(module)), plain, functions, hooks, own))
 
 
 def _is_plain(value: object) -> bool:
     if isinstance(value, _PLAIN):
         return True
     return isinstance(value, tuple | list) and all(isinstance(v, _PLAIN) for v in value)
+
+
+def _is_function(value: object) -> bool:
+    return isinstance(value, _FUNCTIONS) or (callable(value) and not isinstance(value, type | torch.nn.Module))
+
+
+def _function_text(function: object) -> str:
+    """A function by where it is defined (a bound method: also its object's class, which may override what it
+    calls); any other callable object by its class."""
+    if not isinstance(function, _FUNCTIONS):
+        return _qualname(type(function))
+    bound_to = getattr(function, "__self__", None)
+    target = getattr(function, "__func__", function)
+    code = getattr(target, "__code__", None)
+    line = code.co_firstlineno if code is not None else 0  # two lambdas of one file differ by their line
+    owner = _qualname(bound_to if isinstance(bound_to, type) else type(bound_to)) if bound_to is not None else ""
+    return repr((_code_text(target), line, owner))
 
 
 def _qualname(obj: object) -> str:
