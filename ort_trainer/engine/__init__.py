@@ -11,7 +11,8 @@
 * ``_autograd_build`` / ``_autograd_session``: the autograd engine (graphs from PyTorch's autograd, any
   onnxruntime): its build, and its session over the same buffers;
 * ``_distributed``: ``DistributedContext``, the process group, ZeRO partitions and teardown;
-* ``_memory``: returning the build's freed scratch to the OS;
+* ``_memory``: returning the build's freed scratch to the OS; ``_shared_arena``: one CPU arena for the sessions
+  we make (a trainer's training and eval graphs, ORTModule's forward and backward);
 * ``_progress``: each build phase logged with its duration (a tqdm bar on a terminal);
 * ``_random``: Dropout's random state as a function of (run seed, rank, step);
 * ``_fork_safety``: a process forked from a trainer exits without hanging in ORT's thread pool;
@@ -32,6 +33,7 @@ from ._protocols import GraphSource, ModelParallel, ModelParallelFactory
 from ._random import agreed_run_seed
 from ._rank_check import note_load
 from ._session import DeviceSpec, from_ortvalue, resolve_device, to_ortvalue
+from ._shared_arena import use_shared_cpu_arena
 from ._sources import ENGINES, build_engine, choose_engine, onnxblock_available
 from ._step import eval_step, train_step
 from ._store import ParamStore, build_store
@@ -63,6 +65,7 @@ __all__ = [
     "resolve_device",
     "session_options_for",
     "to_ortvalue",
+    "use_shared_cpu_arena",
     "track",
     "train_step",
 ]

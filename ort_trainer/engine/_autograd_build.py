@@ -113,11 +113,15 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         return explained
 
     engine: Engine | None = None
+    noted: tuple[str, ...] = ()  # the unused inputs the user was told about
 
     def adopt(graphs: AutogradGraphs) -> None:
         """The first training graph, rebuilt after its verifying trace rejected the cached one (during the first
         step, before any update): the engine's facts taken from the rejected graph are taken from this one."""
-        _note_unused_inputs(graphs.names.unused_inputs)
+        nonlocal noted
+        if tuple(graphs.names.unused_inputs) != noted:
+            noted = tuple(graphs.names.unused_inputs)
+            _note_unused_inputs(noted)
         store.optimizer.set_idle(graphs.names.idle)
         save_debug_graph(request, "model_with_gradient_graph_path", graphs.model)
         save_debug_graph(request, "model_with_training_graph_path", graphs.model)
@@ -147,7 +151,8 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
             )
     except TraceError as error:
         raise _explained_trace_error(request, error, list(sample_inputs)) from error
-    _note_unused_inputs(first.names.unused_inputs)
+    noted = tuple(first.names.unused_inputs)
+    _note_unused_inputs(noted)
     save_debug_graph(request, "model_with_gradient_graph_path", first.model)
     save_debug_graph(request, "model_with_training_graph_path", first.model)
     store.optimizer.set_idle(first.names.idle)

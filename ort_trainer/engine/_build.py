@@ -47,6 +47,7 @@ from ._memory import release_freed_memory
 from ._progress import BuildProgress
 from ._protocols import ModelParallel
 from ._session import DeviceSpec, TrainingSession
+from ._shared_arena import use_shared_cpu_arena
 from ._store import ParamStore, graph_state_names
 
 if TYPE_CHECKING:
@@ -150,6 +151,8 @@ def session_options_for(options: ORTTrainerOptions) -> ort.SessionOptions:
             # between steps; for a training graph that block is larger than what the arena needs without it
             # (GPT-2 124M: steady RSS 2963 -> 2733 MiB) and no faster (docs/performance.md, "Peak and steady memory").
             session_options.enable_mem_pattern = False
+            # the training and eval sessions never run at once: one arena holds the scratch of both
+            use_shared_cpu_arena(session_options)
     if options.debug.deterministic_compute:
         session_options.use_deterministic_compute = True
     optimized_path = options.debug.graph_save_paths.model_with_training_graph_after_optimization_path

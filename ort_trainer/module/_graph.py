@@ -23,7 +23,6 @@ export in the on-disk graph cache (`graph.autograd.GraphCache`), and runs it in 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import re
 import time
@@ -38,7 +37,7 @@ from onnx import numpy_helper
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.engine import DeviceSpec, from_ortvalue, resolve_device, to_ortvalue
+from ort_trainer.engine import DeviceSpec, from_ortvalue, resolve_device, to_ortvalue, use_shared_cpu_arena
 from ort_trainer.graph.autograd import (
     DISABLED_ORT_OPTIMIZERS,
     GraphCache,
@@ -71,25 +70,8 @@ def session_options() -> ort.SessionOptions:
     options.log_severity_level = 3
     options.intra_op_num_threads = max(1, torch.get_num_threads())
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if _shared_cpu_arena():
-        options.add_session_config_entry("session.use_env_allocators", "1")
+    use_shared_cpu_arena(options)  # the forward's and the backward's scratch in one arena (they never overlap)
     return options
-
-
-@functools.cache
-def _shared_cpu_arena() -> bool:
-    """One CPU arena in ONNX Runtime's environment, shared by every module graph's session (registered once per
-    process). Each session kept an arena of its own, so the forward's scratch and the backward's were held side by
-    side (GPT-2 124M: peak and steady RSS -274 MiB shared). False when ONNX Runtime refuses it."""
-    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-    try:
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))  # ORT's default arena settings
-    except Exception as error:  # noqa: BLE001 - ORT raises one class (Fail) for every refusal
-        if "already" in str(error).lower():  # registered before (by the user): sessions share that one
-            return True
-        _log.info("ORT environment allocator not registered (%s): each module graph keeps its own arena", error)
-        return False
-    return True
 
 
 class OrtGraph:

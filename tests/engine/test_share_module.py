@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from ort_trainer import ORTTrainer, optim
@@ -109,7 +110,9 @@ def test_a_hugging_face_module_trained_by_default_saves_and_reloads_with_save_pr
     assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
 
 
-def test_default_cpu_sessions_plan_memory_without_the_pattern_and_given_options_are_kept():
+def test_default_cpu_sessions_plan_memory_without_the_pattern_in_one_arena_and_given_options_are_kept():
+    """Our CPU sessions skip ORT's memory pattern and take memory from one arena in ORT's environment (the
+    training and eval graphs never run at once: each kept an arena of its own); a user's options are theirs."""
     import onnxruntime
 
     from ort_trainer.config import ORTTrainerOptions
@@ -118,9 +121,12 @@ def test_default_cpu_sessions_plan_memory_without_the_pattern_and_given_options_
     ours = session_options_for(ORTTrainerOptions({}))
     assert ours.enable_mem_pattern is False
     assert ours.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert ours.get_session_config_entry("session.use_env_allocators") == "1"
     given = onnxruntime.SessionOptions()
     assert session_options_for(ORTTrainerOptions({"session_options": given})) is given
     assert given.enable_mem_pattern is True  # the user's options are theirs
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # ORT's answer for an unset entry
+        given.get_session_config_entry("session.use_env_allocators")
     torch.manual_seed(6)
     model = TinyLM(layers=2)
     plain = ORTTrainer(copy.deepcopy(model), LM_DESC, optim.AdamConfig(lr=1e-2), loss_fn=lm_loss)
