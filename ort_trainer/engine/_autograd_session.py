@@ -36,7 +36,6 @@ from ort_trainer.graph.autograd import DISABLED_ORT_OPTIMIZERS, GraphNames, Trac
 from ._fork_safety import track
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
-from ._random import draws_randomness
 from ._session import DeviceSpec, _c_ortvalue, _OutputBinding, _run_options, to_ortvalue
 
 __all__ = ["AutogradGraphs", "AutogradSession"]
@@ -97,7 +96,6 @@ class _ShapeSession:
         ]
         for spec, buffer in self.random:
             self.io.bind_ortvalue_input(spec.name, to_ortvalue(buffer))
-        self.draws_randomness = bool(self.random) or draws_randomness(graphs.model)
         self._bound_target: str | None = None  # "grads" or "scratch": where the gradient outputs point now
 
     def bind_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -124,6 +122,11 @@ class _ShapeSession:
 
 class AutogradSession:
     """The autograd engine's sessions over the trainer's buffers (same interface as `TrainingSession`)."""
+
+    # The generator is seeded before every training run (`engine._step`; a microsecond), whether or not the graph
+    # of the moment draws: a graph built inside a step (a new shape, or one rebuilt after its verifying trace
+    # rejected the cached graph) that draws Dropout masks then draws this step's, as an uncached run does.
+    draws_randomness = True
 
     def __init__(
         self,
@@ -159,7 +162,6 @@ class AutogradSession:
         self._unused = frozenset(first.names.unused_inputs)  # inputs the first graph does not read: not fed
         self._first = _first_signature(first)
         self._train[self._first] = _ShapeSession(self, first, training=True)
-        self.draws_randomness = self._train[self._first].draws_randomness
 
     # ---------------------------------------------------------------- the interface `engine._step` uses
     @property

@@ -302,15 +302,18 @@ _SWITCH = {"weighted": False}  # a global the forward reads: no pre-key can see 
 
 
 class _Switched(torch.nn.Module):
-    """Weighted, it reads the ``weight`` input and trains ``spare``; unweighted, both go unused."""
+    """Weighted, it reads the ``weight`` input, trains ``spare`` and draws Dropout masks; unweighted, it does none
+    of these."""
 
     def __init__(self):
         super().__init__()
         self.first, self.second, self.spare = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+        self.drop = torch.nn.Dropout(0.3)
 
     def forward(self, x, label, weight):
         hidden = torch.relu(self.first(x))
         if _SWITCH["weighted"]:
+            hidden = self.drop(hidden)
             logits = self.second(hidden) + self.spare(hidden)
             losses = torch.nn.functional.cross_entropy(logits, label, reduction="none")
             return (losses * weight).mean()
@@ -342,8 +345,9 @@ def _switched_run(weighted):
 def test_a_rejected_graph_s_inputs_idle_parameters_and_gradients_follow_the_rebuilt_graph(
     cached, now, cache_dir, caplog, monkeypatch
 ):
-    """The graph found by the pre-key read other inputs and trained other parameters than the trace's graph: the
-    rebuilt graph is fed the inputs it reads, its idle parameters stay put, and no stale gradient is left behind."""
+    """The graph found by the pre-key read other inputs, trained other parameters and drew other random numbers than
+    the trace's graph: the rebuilt graph is fed the inputs it reads, its idle parameters stay put, no stale gradient
+    is left behind, and its Dropout masks are the step's own (as in an uncached run)."""
     try:
         _switched_run(cached)  # fills the cache under the same pre-key
         caplog.set_level(logging.WARNING, logger="ort_trainer")
