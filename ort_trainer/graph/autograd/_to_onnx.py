@@ -57,7 +57,7 @@ def graph_to_onnx(traced: TracedGraph) -> onnx.ModelProto:
                 "(torch.onnx.export's custom_translation_table), or train this model with "
                 "options={'utils': {'engine': 'onnxblock'}} where onnxruntime-training is installed"
             ) from error
-    _optimize(program)
+        _optimize(program)  # its passes log too (onnx_ir: a folded constant that is a graph output)
     model = program.model_proto
     _check_names(model, traced)
     collapse_layout_chains(model)
