@@ -116,15 +116,17 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     noted: tuple[str, ...] = ()  # the unused inputs the user was told about
 
     def adopt(graphs: AutogradGraphs) -> None:
-        """The first training graph, rebuilt after its verifying trace rejected the cached one (during the first
-        step, before any update): the engine's facts taken from the rejected graph are taken from this one."""
+        """What the engine takes from its first training graph; again when that graph is rebuilt after its
+        verifying trace rejected the cached one (during the first step, before any update)."""
         nonlocal noted
         if tuple(graphs.names.unused_inputs) != noted:
             noted = tuple(graphs.names.unused_inputs)
             _note_unused_inputs(noted)
-        store.optimizer.set_idle(graphs.names.idle)
         save_debug_graph(request, "model_with_gradient_graph_path", graphs.model)
         save_debug_graph(request, "model_with_training_graph_path", graphs.model)
+        store.optimizer.set_idle(graphs.names.idle)
+        if graphs.names.idle:
+            _log.info("parameters the loss does not reach (never updated): %s", graphs.names.idle)
         if engine is not None:
             engine.output_types = _output_types(graphs.model)
             engine.tracks_batches = bool(graphs.names.updated)
@@ -151,13 +153,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
             )
     except TraceError as error:
         raise _explained_trace_error(request, error, list(sample_inputs)) from error
-    noted = tuple(first.names.unused_inputs)
-    _note_unused_inputs(noted)
-    save_debug_graph(request, "model_with_gradient_graph_path", first.model)
-    save_debug_graph(request, "model_with_training_graph_path", first.model)
-    store.optimizer.set_idle(first.names.idle)
-    if first.names.idle:
-        _log.info("parameters the loss does not reach (never updated): %s", first.names.idle)
+    adopt(first)
     release_freed_memory(collect=first.pending is None)  # a traced graph leaves cycles; a cache hit leaves none
     progress.close()
     engine = engine_for(  # every input is passed to the session, which feeds its graph those it reads
@@ -177,7 +173,7 @@ def _note_unused_inputs(unused: Sequence[str]) -> None:
             f"model_desc inputs {list(unused)} are not used by the model (the traced graph does not read them); "
             "train_step and eval_step still accept them and ignore them",
             UserWarning,
-            stacklevel=6,
+            stacklevel=8,
         )
 
 
