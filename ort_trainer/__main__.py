@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from . import __version__
+from ._package.versions import newer_than_tested
 
 __all__ = ["describe", "main"]
 
 _DISTRIBUTIONS = (
     "torch", "onnxruntime", "onnxruntime-gpu", "onnxruntime-training", "onnx", "onnxscript", "numpy", "h5py",
-    "safetensors", "fsspec",
+    "onnx-ir", "safetensors", "fsspec", "transformers",
 )  # fmt: skip
 
 
@@ -38,6 +39,11 @@ def describe() -> list[str]:
     lines = [f"ort_trainer {__version__} ({os.path.dirname(os.path.abspath(__file__))})"]
     lines.append(f"python {platform.python_version()} ({sys.executable}), {platform.platform()}")
     lines += [f"{name} {_installed(name)}" for name in _DISTRIBUTIONS]
+    for name, (version, tested) in newer_than_tested().items():
+        lines.append(
+            f"warning: {name} {version} is newer than the newest release CI has run ({tested}); if a step fails, "
+            f"report it with this output and try pip install '{name}=={tested}'"
+        )
     lines.append(f"onnxruntime execution providers: {', '.join(onnxruntime.get_available_providers())}")
     from .engine import choose_engine
 

@@ -139,6 +139,33 @@ SLOW_TESTS = frozenset(
         "engine/test_fork_safety.py::test_a_forked_child_frees_its_inherited_trainer_without_hanging",  # 24 s
     }
 )
+# `make test-latest`: a representative selection run in a fresh venv with the newest releases the declared ranges
+# admit (no lock), so that an upstream release that breaks us turns CI red: both doors (ORTTrainer, ORTModule and
+# the compile backend), checkpoints and resume, hf.Trainer against transformers.Trainer, a zoo subset, the samples,
+# the DLPack route and the CLI's version report. By "file", "file::test" or "file::test[id]".
+LATEST_TESTS = frozenset(
+    {
+        "engine/test_dlpack.py",
+        "engine/test_autograd_engine.py",
+        "module/test_ortmodule.py",
+        "module/test_compile_backend.py",
+        "trainer/test_trainer_numerics.py",
+        "trainer/test_dropout_resume.py::test_a_new_trainer_resumes_bit_exact_with_dropout_on",
+        "trainer/test_trainer_state.py",
+        "interop/test_interop_checkpoint.py",
+        "hf/test_numerics.py::test_training_equals_transformers_trainer[cosine-clip-log2]",
+        "hf/test_numerics.py::test_a_bert_classifier_with_compute_loss_func_trains_like_transformers_trainer",
+        "zoo/test_zoo.py::test_the_architecture_trains_like_torch[gpt2-autograd]",
+        "zoo/test_zoo.py::test_the_architecture_trains_like_torch[llama-autograd]",
+        "zoo/test_zoo.py::test_the_architecture_trains_like_torch[bert-autograd]",
+        "zoo/test_zoo.py::test_the_architecture_trains_like_torch[vit-autograd]",
+        "zoo/test_zoo.py::test_a_custom_adamw_loop_over_the_wrapped_architecture_equals_eager[gpt2-ortmodule]",
+        "package/test_samples.py::test_train_lm_sample_learns_and_writes_the_loss_curve",
+        "package/test_samples.py::test_custom_loop_sample_learns_and_resumes_a_killed_run_bit_for_bit",
+        "package/test_cli_startup.py",
+        "package/test_versions.py",
+    }
+)
 _TESTS = Path(__file__).parent
 
 
@@ -175,15 +202,23 @@ def _deselects_onnxblock(markexpr: str) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    latest_found: set[str] = set()
     for item in items:
         relative = _relative(Path(str(item.fspath)))
         test = f"{relative}::{item.name.split('[')[0]}"
+        latest_found |= {relative, test, f"{relative}::{item.name}"} & LATEST_TESTS
         if relative in ONNXBLOCK_ONLY or test in ONNXBLOCK_TESTS:
             item.add_marker(pytest.mark.onnxblock)
         if test in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
         if relative.startswith("checkpoint/"):
             item.add_marker(pytest.mark.checkpoint_package)
+        if {relative, test, f"{relative}::{item.name}"} & LATEST_TESTS:
+            item.add_marker(pytest.mark.latest)
+    if (config.option.markexpr or "").strip() == "latest" and LATEST_TESTS - latest_found:
+        # a renamed test or parametrization would silently shrink `make test-latest`'s selection
+        missing = sorted(LATEST_TESTS - latest_found)
+        raise pytest.UsageError(f"LATEST_TESTS entries that name no collected test: {missing}")
 
 
 def pytest_configure(config: pytest.Config) -> None:

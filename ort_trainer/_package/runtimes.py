@@ -39,6 +39,6 @@ def runtime_conflict(path: Sequence[str] | None = None) -> str | None:
     return (
         f"several ONNX Runtime packages are installed over each other ({listed}); they share the onnxruntime "
         f"module, so its files are now a mix of them. Repair: pip uninstall -y {names}, then install one: "
-        "pip install 'onnxruntime>=1.20' (any Python/platform, the autograd engine) or pip install "
+        "pip install 'onnxruntime>=1.31' (any Python/platform, the autograd engine) or pip install "
         "onnxruntime-training==1.19.2 onnx==1.17.0 (Python 3.11/3.12 x86-64 Linux, both engines; docs/engines.md)"
     )

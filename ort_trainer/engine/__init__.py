@@ -6,7 +6,8 @@
 * ``_build``: ``BuildRequest``, ``Engine`` and the onnxblock build;
 * ``_bindings``: ``BindingGuard``, before each step: rebind when the buffers' storage moved, refuse a shared
   module that no longer shows the trainer's buffers;
-* ``_session``: ``TrainingSession``, IOBinding of the flat buffers (DLPack, no copies) and the runs;
+* ``_session``: ``TrainingSession``, IOBinding of the flat buffers and the runs; ``_dlpack``: torch tensors as
+  ``OrtValue``s and back without copies, on every onnxruntime release we support;
 * ``_onnxblock_graphs``: the gradient graph from onnxruntime-training's onnxblock (imported only by that engine);
 * ``_autograd_build`` / ``_autograd_session``: the autograd engine (graphs from PyTorch's autograd, any
   onnxruntime): its build, and its session over the same buffers;
@@ -28,11 +29,12 @@ from ._assembly import assemble_trainer_state
 from ._autograd_build import check_autograd_supported
 from ._build import BuildRequest, Engine, session_options_for
 from ._distributed import DistributedContext, buckets, init_process_group
+from ._dlpack import DLPACK_ROUTE, from_ortvalue, to_ortvalue
 from ._fork_safety import track
 from ._protocols import GraphSource, ModelParallel, ModelParallelFactory
 from ._random import agreed_run_seed
 from ._rank_check import note_load
-from ._session import DeviceSpec, from_ortvalue, resolve_device, to_ortvalue
+from ._session import DeviceSpec, resolve_device
 from ._shared_arena import use_shared_cpu_arena
 from ._sources import ENGINES, build_engine, choose_engine, onnxblock_available
 from ._step import eval_step, train_step
@@ -42,6 +44,7 @@ from ._trainer_state import TrainerState
 __all__ = [
     "assemble_trainer_state",
     "BuildRequest",
+    "DLPACK_ROUTE",
     "DeviceSpec",
     "DistributedContext",
     "ENGINES",

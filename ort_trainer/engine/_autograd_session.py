@@ -33,10 +33,11 @@ from onnx import numpy_helper
 from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.graph.autograd import DISABLED_ORT_OPTIMIZERS, GraphNames, TraceError
 
+from ._dlpack import to_ortvalue
 from ._fork_safety import track
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
-from ._session import DeviceSpec, _c_ortvalue, _OutputBinding, _run_options, to_ortvalue
+from ._session import DeviceSpec, _OutputBinding, _run_options
 
 __all__ = ["AutogradGraphs", "AutogradSession"]
 
@@ -328,13 +329,13 @@ class AutogradSession:
 
     def _run_bound(self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         keep_alive = []
-        io = shape.io._iobinding
+        io = shape.io
         for name, tensor in inputs.items():
             if name not in shape.input_names:
                 continue
             tensor = tensor.contiguous()
             keep_alive.append(tensor)
-            io.bind_ortvalue_input(name, _c_ortvalue(tensor))
+            io.bind_ortvalue_input(name, to_ortvalue(tensor))
         fresh = shape.out.prepare()
         shape.session.run_with_iobinding(shape.io, self._run_options)
         del keep_alive

@@ -16,12 +16,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from onnxruntime.capi import _pybind_state as _C
-from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.graph import BatchNormStats, strip_batchnorm_statistics
 
+from ._dlpack import from_ortvalue, to_ortvalue
 from ._fork_safety import track
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
@@ -89,24 +88,6 @@ def _torch_stream(index: int) -> dict[str, str]:
     return {"has_user_compute_stream": "1", "user_compute_stream": str(stream)}
 
 
-def to_ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
-    """Zero-copy OrtValue over a contiguous torch tensor. The caller keeps ``tensor`` alive."""
-    return ort.OrtValue(_c_ortvalue(tensor))
-
-
-def _c_ortvalue(tensor: torch.Tensor) -> _C.OrtValue:
-    """`to_ortvalue` without the Python wrapper (per-step binding: ``torch.Tensor.__dlpack__`` costs ~7 us)."""
-    if tensor.dtype == torch.bool:  # torch exports bool as DLPack code 6, which ORT 1.19 does not read
-        return _C.OrtValue.from_dlpack(to_dlpack(tensor.view(torch.uint8)), True)
-    return _C.OrtValue.from_dlpack(to_dlpack(tensor), False)
-
-
-def from_ortvalue(value: _C.OrtValue) -> torch.Tensor:
-    """A tensor ONNX Runtime allocated, as a torch tensor (zero-copy, DLPack): its memory goes back to ORT's
-    allocator when torch frees the tensor."""
-    return from_dlpack(value.to_dlpack())
-
-
 _TORCH_DTYPES = {
     "tensor(float)": torch.float32,
     "tensor(float16)": torch.float16,
@@ -152,7 +133,7 @@ class _OutputBinding:
         fresh = {}
         for name, shape, dtype in self._static:
             fresh[name] = torch.empty(shape, dtype=dtype, device=self._device.torch_device)
-            self._io._iobinding.bind_ortvalue_output(name, _c_ortvalue(fresh[name]))
+            self._io.bind_ortvalue_output(name, to_ortvalue(fresh[name]))
         for name, _ in self._dynamic:
             self._io.bind_output(name, self._device.binding_type, self._device.binding_id)
         return fresh
@@ -269,7 +250,7 @@ class TrainingSession:
     def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
         """One forward+backward; gradients accumulate into the bound buffers (overwrite if ``reset_grad``)."""
         io = self._train_io
-        io._iobinding.bind_ortvalue_input(_LAZY_RESET, self._reset_values[bool(reset_grad)]._ortvalue)
+        io.bind_ortvalue_input(_LAZY_RESET, self._reset_values[bool(reset_grad)])
         outputs = self._run(self._train, io, inputs, self._train_out, self._run_options)
         if self._bn_stats:
             self._update_batchnorm_statistics(outputs)
@@ -291,7 +272,7 @@ class TrainingSession:
         for name, tensor in inputs.items():
             tensor = tensor.contiguous()
             keep_alive.append(tensor)
-            io._iobinding.bind_ortvalue_input(name, _c_ortvalue(tensor))
+            io.bind_ortvalue_input(name, to_ortvalue(tensor))
         fresh = out.prepare()
         session.run_with_iobinding(io, run_options)
         del keep_alive

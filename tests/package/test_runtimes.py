@@ -22,7 +22,7 @@ def _setup_module():
 
 def test_setup_requires_the_stock_runtime_unless_another_runtime_is_installed():
     setup = _setup_module()
-    assert setup.runtime_requirements({"numpy", "torch"}) == ["onnxruntime>=1.20,<2"]
+    assert setup.runtime_requirements({"numpy", "torch"}) == ["onnxruntime>=1.31,<2"]
     assert setup.runtime_requirements({"onnxruntime-training", "torch"}) == ["onnx>=1.17,<1.18"]
     assert setup.runtime_requirements({"onnxruntime-gpu"}) == []
 
