@@ -87,7 +87,7 @@ test-latest:
 	$(LATEST_PY) -m pip install --quiet --upgrade pip
 	$(LATEST_PY) -m pip install --quiet ".[dev]"
 	$(LATEST_PY) -m ort_trainer
-	$(LATEST_PY) -m pytest -q $(XDIST) -m "latest" tests
+	$(LATEST_PY) -m pytest -q $(XDIST) -m "latest and $(STOCK)" tests
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py
