@@ -81,6 +81,15 @@ def _decay_mode(field: str, value: Any) -> DecayMode:
     raise ValueError(f"'{field}' must be one of {valid}, got {value!r}")
 
 
+class _Default(float):
+    """A keyword's default number, told apart from the same number given by the caller: ``alpha=0.9`` and
+    ``betas=(...)`` together are two spellings of one hyper-parameter, refused; the default alone is not."""
+
+
+# what the hyper-parameters are called in messages (the stored 'lambda' is the keyword 'lambda_coef')
+_KEYWORD = {"lambda": "lambda_coef"}
+
+
 # --------------------------------------------------------------------- base class
 class OptimizerConfig:
     """Base of the optimizer configurations (legacy `optim.OptimizerConfig`).
@@ -98,6 +107,8 @@ class OptimizerConfig:
 
     # field name -> validator; subclasses extend it. 'lambda' is the stored name of 'lambda_coef'.
     _VALIDATORS: Mapping[str, Any] = MappingProxyType({"lr": _non_negative})
+    # PyTorch's keywords (torch.optim.AdamW's) -> the stored names they set; 'betas' is the pair (alpha, beta)
+    _TORCH_NAMES: Mapping[str, tuple[str, ...]] = MappingProxyType({})
 
     def __init__(self, name: str, params: Sequence[Mapping[str, Any]] | None, defaults: Mapping[str, Any]):
         if not isinstance(name, str) or name not in _OPTIMIZER_NAMES:
@@ -113,15 +124,44 @@ class OptimizerConfig:
             self._add_param_group(index, group)
 
     # -- construction helpers
-    def _validate(self, key: str, value: Any, where: str) -> Any:
+    def _validate(self, key: str, value: Any, where: str, field: str | None = None) -> Any:
         validator = self._VALIDATORS.get(key)
         if validator is None:
-            raise ValueError(f"{where}unknown hyper-parameter {key!r}; valid: {', '.join(sorted(self._VALIDATORS))}")
-        field = "lambda_coef" if key == "lambda" else key
+            also = f" (or PyTorch's {', '.join(sorted(self._TORCH_NAMES))})" if self._TORCH_NAMES else ""
+            raise ValueError(
+                f"{where}unknown hyper-parameter {key!r}; valid: {', '.join(sorted(self._VALIDATORS))}{also}"
+            )
         try:
-            return validator(field, value)
+            return validator(field or _KEYWORD.get(key, key), value)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{where}{err}") from None
+
+    def _torch_spelled(self, torch_name: str, value: Any, where: str) -> dict[str, Any]:
+        """{stored name: validated value} for a hyper-parameter given by its PyTorch name (errors name that)."""
+        keys = self._TORCH_NAMES[torch_name]
+        if len(keys) == 1:
+            return {keys[0]: self._validate(keys[0], value, where, field=torch_name)}
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence) or len(value) != len(keys):
+            raise TypeError(f"{where}{torch_name!r} must be a pair (beta1, beta2) of numbers, got {value!r}")
+        pairs = enumerate(zip(keys, value, strict=True))
+        return {k: self._validate(k, v, where, field=f"{torch_name}[{i}]") for i, (k, v) in pairs}
+
+    def _with_torch_names(self, defaults: dict[str, Any], **spelled: Any) -> dict[str, Any]:
+        """``defaults`` with the hyper-parameters given by PyTorch's names (None: not given) put in; giving one
+        also by our name (any value that is not the `_Default`, even the same number) is refused."""
+        where = f"{type(self).__name__}: "
+        merged = dict(defaults)
+        for torch_name, value in spelled.items():
+            if value is None:
+                continue
+            converted = self._torch_spelled(torch_name, value, where)
+            both = [repr(_KEYWORD.get(k, k)) for k in converted if not isinstance(defaults[k], _Default)]
+            if both:
+                raise TypeError(
+                    f"{where}got both {torch_name!r} (PyTorch's name) and {', '.join(both)}: give one of them"
+                )
+            merged.update(converted)
+        return merged
 
     @staticmethod
     def _check_groups(params: Any) -> list[Mapping[str, Any]]:
@@ -152,6 +192,12 @@ class OptimizerConfig:
             if "lambda" in overrides:
                 raise ValueError(f"{where}give either 'lambda_coef' or 'lambda', not both")
             overrides["lambda"] = overrides.pop("lambda_coef")
+        for torch_name in [k for k in overrides if k in self._TORCH_NAMES]:
+            converted = self._torch_spelled(torch_name, overrides.pop(torch_name), where)
+            both = [repr(_KEYWORD.get(k, k)) for k in converted if k in overrides]
+            if both:
+                raise ValueError(f"{where}give either {torch_name!r} (PyTorch's name) or {', '.join(both)}, not both")
+            overrides.update(converted)
         if not overrides:
             raise ValueError(f"{where}a parameter group needs at least one hyper-parameter besides 'params'")
         filled = {"params": names, **self.defaults}
@@ -192,15 +238,36 @@ class OptimizerConfig:
 
 # ----------------------------------------------------------------- the configs
 class SGDConfig(OptimizerConfig):
-    """Plain SGD, w -= lr * g. No parameter groups: `params` must be empty."""
+    """Plain SGD, w -= lr * g. No parameter groups: `params` must be empty.
 
-    def __init__(self, params: Sequence[Mapping[str, Any]] | None = None, lr: float = 0.001):
+    `momentum` and `weight_decay` (torch.optim.SGD's keywords) are accepted at 0 only, which is this update;
+    anything else is refused with a ValueError rather than silently ignored.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Mapping[str, Any]] | None = None,
+        lr: float = 0.001,
+        *,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ):
         if params:
             raise ValueError(
                 f"'params' must be an empty list for SGD optimizer (SGD has no per-group hyper-parameters), "
                 f"got {len(params)} group(s)"
             )
         super().__init__(name="SGDOptimizer", params=None, defaults={"lr": lr})
+        torch_only = {"momentum": momentum, "weight_decay": weight_decay}
+        for key, value in torch_only.items():
+            self._validate("lr", value, "SGDConfig: ", field=key)  # a number >= 0, as lr
+        given = [f"{key}={value!r}" for key, value in torch_only.items() if value != 0]
+        if given:
+            raise ValueError(
+                f"SGDConfig: {', '.join(given)} {'is' if len(given) == 1 else 'are'} not supported: this SGD is "
+                "plain w -= lr * g (the legacy SGDOptimizer: no momentum, no weight decay). Use AdamConfig "
+                "(weight_decay=..., betas=...) for those, or leave them at 0"
+            )
 
 
 class AdamConfig(OptimizerConfig):
@@ -209,6 +276,10 @@ class AdamConfig(OptimizerConfig):
     Args: params (parameter groups), lr, alpha (beta1), beta (beta2), lambda_coef (weight decay),
     epsilon, max_norm_clip (global gradient-norm clip threshold), do_bias_correction,
     weight_decay_mode (`DecayMode`; BEFORE_WEIGHT_UPDATE equals `torch.optim.AdamW`).
+
+    PyTorch's names work too, keyword-only, here and in parameter groups: ``betas=(alpha, beta)``,
+    ``eps`` (epsilon), ``weight_decay`` (lambda_coef: decoupled, as torch.optim.AdamW's, not torch.optim.Adam's
+    L2 term; the default stays 0, not AdamW's 0.01). Giving one hyper-parameter by both names is refused.
     """
 
     DecayMode = DecayMode  # legacy spelling: AdamConfig.DecayMode.BEFORE_WEIGHT_UPDATE
@@ -225,18 +296,23 @@ class AdamConfig(OptimizerConfig):
             "weight_decay_mode": _decay_mode,
         }
     )
+    _TORCH_NAMES = MappingProxyType({"betas": ("alpha", "beta"), "eps": ("epsilon",), "weight_decay": ("lambda",)})
 
     def __init__(
         self,
         params: Sequence[Mapping[str, Any]] | None = None,
         lr: float = 0.001,
-        alpha: float = 0.9,
-        beta: float = 0.999,
-        lambda_coef: float = 0.0,
-        epsilon: float = 1e-8,
+        alpha: float = _Default(0.9),
+        beta: float = _Default(0.999),
+        lambda_coef: float = _Default(0.0),
+        epsilon: float = _Default(1e-8),
         max_norm_clip: float = 1.0,
         do_bias_correction: bool = True,
         weight_decay_mode: DecayMode = DecayMode.BEFORE_WEIGHT_UPDATE,
+        *,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
     ):
         defaults = {
             "lr": lr,
@@ -248,6 +324,7 @@ class AdamConfig(OptimizerConfig):
             "do_bias_correction": do_bias_correction,
             "weight_decay_mode": weight_decay_mode,
         }
+        defaults = self._with_torch_names(defaults, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(name="AdamOptimizer", params=params, defaults=defaults)
         d = self.defaults
         self.alpha, self.beta, self.lambda_coef, self.epsilon = d["alpha"], d["beta"], d["lambda"], d["epsilon"]
@@ -260,6 +337,7 @@ class LambConfig(OptimizerConfig):
 
     Args: params (parameter groups), lr, alpha (beta1), beta (beta2), lambda_coef (weight decay),
     ratio_min / ratio_max (trust-ratio clamp), epsilon, max_norm_clip, do_bias_correction.
+    PyTorch's ``betas``, ``eps`` and ``weight_decay`` work as in `AdamConfig`.
     """
 
     _VALIDATORS = MappingProxyType(
@@ -275,19 +353,24 @@ class LambConfig(OptimizerConfig):
             "do_bias_correction": _boolean,
         }
     )
+    _TORCH_NAMES = AdamConfig._TORCH_NAMES
 
     def __init__(
         self,
         params: Sequence[Mapping[str, Any]] | None = None,
         lr: float = 0.001,
-        alpha: float = 0.9,
-        beta: float = 0.999,
-        lambda_coef: float = 0.0,
+        alpha: float = _Default(0.9),
+        beta: float = _Default(0.999),
+        lambda_coef: float = _Default(0.0),
         ratio_min: float = float("-inf"),
         ratio_max: float = float("inf"),
-        epsilon: float = 1e-6,
+        epsilon: float = _Default(1e-6),
         max_norm_clip: float = 1.0,
         do_bias_correction: bool = False,
+        *,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
     ):
         defaults = {
             "lr": lr,
@@ -300,6 +383,7 @@ class LambConfig(OptimizerConfig):
             "max_norm_clip": max_norm_clip,
             "do_bias_correction": do_bias_correction,
         }
+        defaults = self._with_torch_names(defaults, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(name="LambOptimizer", params=params, defaults=defaults)
         groups = [("", self.defaults)] + [(f"params[{i}]: ", g) for i, g in enumerate(self.params)]
         for where, group in groups:

@@ -1,6 +1,6 @@
 """Your own PyTorch training loop, with the forward and backward in ONNX Runtime: ORTModule.
 
-    python samples/custom_loop.py                       # about a minute on 2 CPU cores
+    python samples/custom_loop.py                       # 500 steps; checkpoints in out/custom_loop/checkpoints
     python samples/custom_loop.py --steps 20 --out /tmp/loop   # a quick smoke run (what the tests do)
     python samples/custom_loop.py --kill-after 130      # killed with SIGKILL after step 130; run it again: it resumes
 
@@ -11,8 +11,10 @@ model's own `param.grad`, where the optimizer and the clipping read them. At the
 are the plain module's (ORTModule trains the module itself): it generates text in eager PyTorch.
 
 Checkpoints: a CheckpointManager saves the loop's objects (the module, AdamW, the schedule, torch's generators and
-the batch sampler's generator) every --checkpoint-every steps, asynchronously, into OUT/checkpoints; a run started
-again restores the newest complete checkpoint and continues bit for bit as the run that never stopped.
+the batch sampler's generator) every --checkpoint-every steps, asynchronously, into OUT/checkpoints (a folder of
+this sample's own: out/custom_loop/checkpoints by default). Every run resumes: a run started again restores the
+newest complete checkpoint and continues bit for bit as the run that never stopped; a run that had finished has
+nothing left to train and generates its text again. Delete OUT/checkpoints (or pass another --out) to start over.
 """
 
 import argparse
@@ -33,7 +35,7 @@ from ort_trainer.checkpoint.objects import RNGState
 # settings (those of samples/train_lm.py)
 SEED = 1337
 DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
-OUT_DIR = "out"
+OUT_DIR = "out/custom_loop"  # git-ignored; this sample's own (the other samples' checkpoints are not its objects)
 EVAL_FRACTION = 0.1
 CONTEXT = 64
 BATCH = 16
@@ -120,6 +122,8 @@ restored = manager.restore(state)  # None on a fresh start
 start_step = restored.step if restored else 0
 if restored:
     print(f"resumed from {restored.path} (step {start_step})", flush=True)
+if start_step >= args.steps:
+    print(f"the checkpoint is at step {start_step}, --steps is {args.steps}: nothing to train", flush=True)
 
 first_eval = eval_loss = evaluate()
 print(f"step {start_step:4d}  eval loss {first_eval:.3f}", flush=True)
@@ -153,6 +157,6 @@ text = "".join(chars[i] for i in ids)
 print(text)
 weights = sum(p.detach().double().sum().item() for p in model.parameters())  # equal runs give equal bits
 print(
-    f"summary: steps={args.steps} first_eval={first_eval:.4f} last_eval={eval_loss:.4f} weights={weights!r} "
-    f"seconds={seconds:.1f}"
+    f"summary: steps={max(start_step, args.steps)} first_eval={first_eval:.4f} last_eval={eval_loss:.4f} "
+    f"weights={weights!r} seconds={seconds:.1f}"
 )

@@ -12,6 +12,7 @@ on the global batch. With ZeRO stage 1 each rank keeps the Adam moments of only 
 parameters. Every SAVE_EVERY steps and at the end a CheckpointManager saves in the background: every rank
 writes its part (OUT_DIR/checkpoints/ckpt-<step>.rank<r>-of-<W>.<id>.ortcp) and rank 0 publishes the
 manifest (ckpt-<step>.ortcp.manifest.json) once every rank's file is durable; the last two sets are kept.
+Every run starts fresh: rank 0 first deletes OUT_DIR/checkpoints, the sets an earlier run left there.
 Rank 0 then aggregates the newest set into one ordinary checkpoint with the checkpoint CLI, loads its
 weights into the plain PyTorch module and generates some text. Multi-machine runs: see "Distributed
 training" in README.md.
@@ -19,6 +20,7 @@ training" in README.md.
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -101,6 +103,12 @@ if RANK == 0:
 # -----------------------------------------------------------------------------
 # checkpoints: every rank calls the manager alike. Saves are asynchronous: the loop waits only for a copy of the
 # state, the files are written in the background, and the manifest is agreed over a process group of its own.
+# An earlier run's sets go first (this run starts at step 1, and the manager refuses a step below the newest one
+# it holds): rank 0 deletes them while the others wait at the barrier, before any rank opens the folder.
+if RANK == 0 and (OUT_DIR / "checkpoints").exists():
+    shutil.rmtree(OUT_DIR / "checkpoints")
+    print(f"removed the checkpoints of an earlier run in {OUT_DIR / 'checkpoints'}")
+dist.barrier()
 manager = checkpoint.CheckpointManager(OUT_DIR / "checkpoints", keep_last=2, async_save=True)
 
 # -----------------------------------------------------------------------------

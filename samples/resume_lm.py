@@ -9,7 +9,8 @@ every SAVE_EVERY steps it saves asynchronously (the loop waits only for a copy o
 written, checksummed, fsynced and published in the background), keeps the last two checkpoints and the one
 with the lowest loss, and stores the loss history in the checkpoint's user_dict. Started again on the same
 folder, the run restores the newest complete checkpoint (a save that was killed half-way is skipped; a
-damaged file is skipped with a warning) and trains on.
+damaged file is skipped with a warning) and trains on; a run that had finished has nothing left to train. Delete
+OUT_DIR/checkpoints (or pass another --out) to start over; --demo starts its runs over itself.
 
 --demo stages a crash. The parent starts a run (this file, in a child process) and kills it with SIGKILL when
 it reports step KILL_AT, as a preempted machine or the OOM killer would: no handler runs, nothing is flushed,
@@ -188,6 +189,8 @@ if restored is not None:
     print(f"resuming from {Path(restored.path).name} (step {resumed_from})", flush=True)
 else:
     print("starting fresh", flush=True)
+if resumed_from >= STEPS:
+    print(f"the checkpoint is at step {resumed_from}, --steps is {STEPS}: nothing to train", flush=True)
 
 progress = tqdm(range(resumed_from + 1, STEPS + 1), desc="train", unit="step", initial=resumed_from, total=STEPS,
                 disable=args.no_progress)
@@ -201,4 +204,4 @@ for step in progress:
                      user_dict={"losses": losses, "resumed_from": resumed_from})
 progress.close()
 manager.wait()  # the last save is published before we say so (exiting would wait for it too)
-print(f"done: step {trainer.train_step_info.step}, last loss {losses[-1]:.4f}", flush=True)
+print(f"done: step {max(resumed_from, STEPS)}, last loss {losses[-1]:.4f}", flush=True)

@@ -1,16 +1,20 @@
 """Train a tiny character-level transformer language model on ONNX Runtime with ORTTrainer.
 
-    python samples/train_lm.py                      # the full demo: about a minute on 2 CPU cores
+    python samples/train_lm.py                      # the full demo (500 steps), what `make demo` runs
     python samples/train_lm.py --steps 30 --out /tmp/lm   # a quick smoke run (what the tests do)
 
 The corpus is samples/data/corpus.txt (GNU license texts, see samples/data/README.md). The script
 exports the PyTorch model to ONNX, trains it with Adam + a cosine LR schedule in ONNX Runtime, checks
 the held-out loss every EVAL_EVERY steps, draws the loss curves to OUT_DIR/loss.png and finally hands
 the trained weights back to the plain PyTorch module to generate some text.
+
+Every run starts fresh: it first deletes OUT_DIR/checkpoints, the checkpoints an earlier run of this script left
+there (a demo run again should show the demo again, not resume; samples/resume_lm.py and custom_loop.py resume).
 """
 
 import argparse
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -52,7 +56,9 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
 parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help=f"steps between evals (default {EVAL_EVERY})")
 parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, help="steps between checkpoints")
-parser.add_argument("--out", default=OUT_DIR, help=f"folder for loss.png (default {OUT_DIR}/)")
+parser.add_argument(
+    "--out", default=OUT_DIR, help=f"folder for loss.png and checkpoints/, which a run replaces (default {OUT_DIR}/)"
+)
 args = parser.parse_args()
 STEPS, EVAL_EVERY, OUT_DIR = args.steps, args.eval_every, Path(args.out)
 CHECKPOINT_EVERY = args.checkpoint_every
@@ -101,6 +107,11 @@ trainer = ORTTrainer(
 
 # Checkpoints: the manager saves in the background (the loop waits only for a copy of the state) and keeps the
 # last two checkpoints plus the one with the best eval loss; samples/resume_lm.py shows restoring from it.
+# This run starts at step 1, so an earlier run's checkpoints go first: the manager refuses to save a step below
+# the newest one it holds (restore() would pick the old, higher step).
+if (OUT_DIR / "checkpoints").exists():
+    shutil.rmtree(OUT_DIR / "checkpoints")
+    print(f"removed the checkpoints of an earlier run in {OUT_DIR / 'checkpoints'}")
 manager = checkpoint.CheckpointManager(
     OUT_DIR / "checkpoints", keep_last=2, keep_best=("eval_loss", "min", 1), async_save=True
 )

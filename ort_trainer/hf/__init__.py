@@ -8,6 +8,17 @@ Needs the ``hf`` extra (``pip install "ort_trainer[hf]"``: transformers and acce
 HF sees it; ``_files``: our files inside HF's ``checkpoint-N`` folders and the RNG state, without pickle.
 """
 
-from .trainer import Trainer
+_EXTRA = ("transformers", "accelerate")  # what `pip install "ort_trainer[hf]"` adds
+
+try:
+    from .trainer import Trainer
+except ModuleNotFoundError as error:
+    if error.name not in _EXTRA:
+        raise
+    raise ModuleNotFoundError(
+        f"ort_trainer.hf needs {error.name}, which the 'hf' extra installs: pip install \"ort_trainer[hf]\" "
+        f'(transformers and accelerate; from a clone of the repository: pip install ".[hf]")',
+        name=error.name,
+    ) from error
 
 __all__ = ["Trainer"]

@@ -1,4 +1,4 @@
-"""One rank's saver for the SIGKILL tests (tests/test_checkpoint_set_kills.py).
+"""One rank's saver for the SIGKILL tests (tests/checkpoint/test_checkpoint_set_kills.py).
 
 ``python -m tests.checkpoint.kill_saver RANK WORLD PATH MODE`` imports the library once, then on each ``go PORT``
 line forks a child that joins a fresh process group on PORT (when WORLD > 1), builds a trainer,

@@ -1,5 +1,6 @@
 """AdamConfig / LambConfig / SGDConfig: legacy names and defaults, parameter groups, validation."""
 
+import inspect
 import math
 
 import pytest
@@ -156,3 +157,82 @@ def test_sgd_rejects_parameter_groups():
         SGDConfig([{"params": ["layer1.weight"], "lr": 0.1}], lr=0.002)
     with pytest.raises(ValueError, match=r"SGDConfig: 'lr' must be a finite number >= 0, got -0.5"):
         SGDConfig(lr=-0.5)
+
+
+# PyTorch's keywords (torch.optim.AdamW's): what every PyTorch user types first
+TORCH_KWARGS = {"betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+OUR_KWARGS = {"alpha": 0.8, "beta": 0.95, "epsilon": 1e-6, "lambda_coef": 0.1}
+
+
+@pytest.mark.parametrize("config", [AdamConfig, LambConfig])
+def test_pytorch_names_set_our_hyper_parameters(config):
+    spelled = config(lr=0.01, **TORCH_KWARGS)
+    assert spelled.defaults == config(lr=0.01, **OUR_KWARGS).defaults
+    assert (spelled.alpha, spelled.beta, spelled.epsilon, spelled.lambda_coef) == (0.8, 0.95, 1e-6, 0.1)
+    groups = [{"params": ["a"], "weight_decay": 0.0, "betas": [0.5, 0.6]}, {"params": ["b"], "eps": 1e-3}]
+    cfg = config(groups, **TORCH_KWARGS)
+    assert groups[0] == {"params": ["a"], "weight_decay": 0.0, "betas": [0.5, 0.6]}  # the caller's dict untouched
+    assert cfg.hyper_parameters("a") == {**cfg.hyper_parameters("z"), "lambda": 0.0, "alpha": 0.5, "beta": 0.6}
+    assert cfg.hyper_parameters("b") == {**cfg.hyper_parameters("z"), "epsilon": 1e-3}
+    assert cfg.hyper_parameters("z")["lambda"] == 0.1
+
+
+@pytest.mark.parametrize(
+    "kwargs, ours",
+    [
+        ({"weight_decay": 0.1, "lambda_coef": 0.1}, "'lambda_coef'"),
+        ({"eps": 1e-6, "epsilon": 1e-8}, "'epsilon'"),  # the default's value, given: still both
+        ({"betas": (0.9, 0.999), "beta": 0.99}, "'beta'"),
+        ({"betas": (0.9, 0.999), "alpha": 0.9, "beta": 0.99}, "'alpha', 'beta'"),
+    ],
+)
+def test_both_spellings_of_one_hyper_parameter_are_refused(kwargs, ours):
+    torch_name = next(k for k in kwargs if k in TORCH_KWARGS)
+    for config in (AdamConfig, LambConfig):
+        message = rf"{config.__name__}: got both '{torch_name}' \(PyTorch's name\) and {ours}: give one of them"
+        with pytest.raises(TypeError, match=message):
+            config(**kwargs)
+    with pytest.raises(
+        ValueError, match=r"params\[0\]: give either 'weight_decay' \(PyTorch's name\) or 'lambda_coef'"
+    ):
+        AdamConfig([{"params": ["a"], "lambda_coef": 0.1, "weight_decay": 0.1}])
+    with pytest.raises(ValueError, match=r"params\[0\]: give either 'betas' \(PyTorch's name\) or 'alpha'"):
+        LambConfig([{"params": ["a"], "alpha": 0.5, "betas": (0.5, 0.6)}])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"betas": (1.5, 0.9)}, ValueError, r"AdamConfig: 'betas\[0\]' must be in \[0, 1\).*got 1.5"),
+        ({"betas": (0.9, -0.1)}, ValueError, r"AdamConfig: 'betas\[1\]' must be in \[0, 1\).*got -0.1"),
+        ({"betas": 0.9}, TypeError, r"AdamConfig: 'betas' must be a pair \(beta1, beta2\) of numbers, got 0.9"),
+        ({"betas": (0.9, 0.99, 0.5)}, TypeError, r"'betas' must be a pair \(beta1, beta2\) of numbers, got \(0.9"),
+        ({"eps": -1.0}, ValueError, r"AdamConfig: 'eps' must be a finite number >= 0, got -1.0"),
+        ({"weight_decay": "0.1"}, TypeError, r"AdamConfig: 'weight_decay' must be a number, got '0.1' \(str\)"),
+    ],
+)
+def test_pytorch_names_are_validated_under_their_own_names(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        AdamConfig(**kwargs)
+
+
+def test_the_signature_keeps_the_legacy_order_and_defaults():
+    """Positional calls of legacy scripts keep their meaning; the shown defaults are the legacy numbers."""
+    cfg = AdamConfig(None, 0.01, 0.8, 0.95, 0.1, 1e-6)
+    assert cfg.defaults == AdamConfig(lr=0.01, **OUR_KWARGS).defaults
+    parameters = inspect.signature(AdamConfig).parameters
+    assert [parameters[n].default for n in ("alpha", "beta", "lambda_coef", "epsilon")] == [0.9, 0.999, 0.0, 1e-8]
+    assert repr(parameters["alpha"].default) == "0.9"
+    assert all(parameters[n].kind is inspect.Parameter.KEYWORD_ONLY for n in TORCH_KWARGS)
+
+
+def test_sgd_takes_pytorchs_momentum_and_weight_decay_only_when_they_change_nothing():
+    """The legacy SGDOptimizer is plain w -= lr * g: torch.optim.SGD's momentum and weight_decay at 0 are that."""
+    assert SGDConfig(lr=0.1, momentum=0.0, weight_decay=0).defaults == SGDConfig(lr=0.1).defaults == {"lr": 0.1}
+    message = r"SGDConfig: momentum=0.9 is not supported: this SGD is plain w -= lr \* g .*AdamConfig"
+    with pytest.raises(ValueError, match=message):
+        SGDConfig(lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"SGDConfig: momentum=0.9, weight_decay=0.01 are not supported"):
+        SGDConfig(lr=0.1, momentum=0.9, weight_decay=0.01)
+    with pytest.raises(TypeError, match=r"SGDConfig: 'momentum' must be a number, got '0.9' \(str\)"):
+        SGDConfig(momentum="0.9")

@@ -158,6 +158,22 @@ def test_adam_mode0_matches_torch_adamw(clip, loss_scale):
         torch.testing.assert_close(params[slot.offset : slot.end].view(slot.shape), p.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_adam_with_pytorchs_keywords_is_torch_adamw_with_them():
+    """AdamConfig(betas=, eps=, weight_decay=) (PyTorch's names) updates as torch.optim.AdamW given the same."""
+    kwargs = {"betas": (0.85, 0.99), "eps": 1e-6, "weight_decay": 0.05}
+    layout, params, grads, opt = make(AdamConfig(lr=0.01, **kwargs))
+    ref = [torch.nn.Parameter(params[s.offset : s.end].clone().view(s.shape)) for s in layout.slots]
+    torch_opt = torch.optim.AdamW(ref, lr=0.01, **kwargs)
+    for raw in grad_steps(layout.numel, 20):
+        grads.copy_(raw)
+        opt.step(0.01, clip=False)
+        for p, slot in zip(ref, layout.slots, strict=True):
+            p.grad = raw[slot.offset : slot.end].view(slot.shape).clone()
+        torch_opt.step()
+    for p, slot in zip(ref, layout.slots, strict=True):
+        torch.testing.assert_close(params[slot.offset : slot.end].view(slot.shape), p.detach(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("loss_scale", [1.0, 8.0])
 def test_clipping_on_a_device_never_reads_the_norm_back_and_updates_the_same(monkeypatch, loss_scale):
     """On a GPU the clip divisor stays a device tensor (no wait per update); the weights equal the host rule's."""

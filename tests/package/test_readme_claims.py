@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 
@@ -65,3 +66,17 @@ def test_the_samples_section_lists_every_sample():
     listed = set(re.findall(r"^\| `([a-z_]+\.py)` \|", section, flags=re.MULTILINE))
     scripts = {p.name for p in (REPO / "samples").glob("*.py")} - {"model.py"}
     assert listed == scripts, (listed, scripts)
+
+
+def test_the_install_section_names_every_extra():
+    """Each extra of setup.py appears in README's "## Install" (`.[name]` in its commands or `name` in its prose):
+    `hf` was missing, so `from ort_trainer.hf import Trainer` met users with no word of how to install it."""
+    tree = ast.parse((REPO / "setup.py").read_text(encoding="utf-8"))
+    extras = next(
+        ast.literal_eval(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EXTRAS_REQUIRE" for t in node.targets)
+    )
+    section = README.split("## Install", 1)[1].split("\n## ", 1)[0]
+    missing = sorted(name for name in extras if f".[{name}]" not in section and f"`{name}`" not in section)
+    assert not missing, missing

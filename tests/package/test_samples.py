@@ -81,6 +81,34 @@ def test_train_lm_sample_learns_and_writes_the_loss_curve(tmp_path):
     assert len(set(words)) > 0.6 * len(words), f"the generated text repeats itself: {text!r}"
 
 
+@pytest.mark.processes
+def test_train_lm_and_custom_loop_rerun_in_any_order_from_one_folder(tmp_path):
+    """As a user (or `make demo`) runs them: the default --out, one working directory, each sample again and after
+    the other. They shared out/checkpoints: custom_loop.py then restored train_lm.py's checkpoint (not one of its
+    objects) and a second train_lm.py died at its first save below the first run's last step."""
+    samples = ROOT / "samples"
+
+    def run(script, steps):
+        command = [sys.executable, str(samples / script), "--steps", str(steps), "--eval-every", str(steps)]
+        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{script}: stdout:\n{result.stdout}\nstderr:\n{result.stderr[-3000:]}"
+        return result.stdout
+
+    out = tmp_path / "out"
+    run("train_lm.py", 4)
+    first_loop = run("custom_loop.py", 2)
+    assert "resumed" not in first_loop, first_loop  # a folder of its own: nothing of train_lm.py's to restore
+    again = run("train_lm.py", 2)  # fewer steps: its saves are below the first run's step 4
+    assert f"removed the checkpoints of an earlier run in {Path('out') / 'checkpoints'}" in again, again
+    assert [c.step for c in checkpoint.CheckpointManager(out / "checkpoints").checkpoints()] == [2]
+    second_loop = run("custom_loop.py", 2)  # a finished run, again: it resumes at its end and trains nothing
+    assert re.search(r"resumed from .*custom_loop.* \(step 2\)", second_loop), second_loop
+    assert "the checkpoint is at step 2, --steps is 2: nothing to train" in second_loop, second_loop
+    weights = re.search(r"weights=(\S+)", first_loop).group(1)
+    assert f"weights={weights} " in second_loop, (first_loop, second_loop)  # the first run's trained module
+    assert [c.step for c in checkpoint.CheckpointManager(out / "custom_loop" / "checkpoints").checkpoints()] == [2]
+
+
 def _generated(stdout: str) -> str:
     """The text between the rules after 'generated:'; printed once (it was printed twice)."""
     rule = "-" * 60
@@ -220,6 +248,14 @@ def test_distributed_sample_trains_with_zero_aggregates_and_generates(tmp_path):
     assert _number(r"last_loss=([\d.]+)", summary) < _number(r"first_loss=([\d.]+)", summary) - 0.8, summary
     text = _generated(stdout)
     assert text.startswith("This License ") and len(text) == len("This License ") + 100, stdout
+
+    # run again, shorter, on the same folder: it starts over (its step 10 was refused below the first run's 20)
+    launcher[-1] = str(free_port())
+    command = [*launcher, str(ROOT / "samples" / "distributed_lm.py"), "--steps", "10", "--out", str(out)]
+    stdout, _ = _run_sample(command, tmp_path, timeout=180, env=env)
+    assert f"removed the checkpoints of an earlier run in {out / 'checkpoints'}" in stdout, stdout
+    assert [c.step for c in checkpoint.CheckpointManager(out / "checkpoints").checkpoints()] == [10]
+    assert "world_size=2 zero_stage=1 steps=10 " in stdout, stdout
 
 
 @pytest.mark.processes

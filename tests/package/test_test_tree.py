@@ -74,3 +74,26 @@ def test_onnxblock_only_files_are_left_out_only_where_no_onnxblock_test_is_selec
     for target in ("test", "test-long", "test-slow", "test-faults", "test-zoo", "test-hf", "test-install"):
         assert _deselects_onnxblock(_make_expression(target)), target
     assert not _deselects_onnxblock(_make_expression("test-onnxblock"))
+
+
+def _texts_that_name_tests() -> list[Path]:
+    """README.md and every other Markdown and Python file of the repository (not CHANGELOG.md: its entries tell
+    history), outside the virtual environments and build outputs."""
+    skip = {".venv", ".venv-onnxblock", ".git", "build", "out"}
+    folders = [p for p in REPO.iterdir() if p.is_dir() and p.name not in skip and not p.name.endswith(".egg-info")]
+    found = [REPO / "README.md", *REPO.glob("*.py")]
+    for folder in folders:
+        found += [*folder.rglob("*.md"), *folder.rglob("*.py")]
+    return sorted(found)
+
+
+def test_every_test_path_named_in_docs_and_code_exists():
+    """README.md named the checkpoint tests as in the top of tests/ long after they moved into tests/checkpoint/
+    (and code comments tests/interop/'s as well): each ``tests/...py`` path named (a glob too) must match a file."""
+    stale = []
+    for path in _texts_that_name_tests():
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for named in re.findall(r"\btests/[\w*/]+\.py\b", line):
+                if not any(REPO.glob(named)):
+                    stale.append(f"{path.relative_to(REPO)}:{number}: {named}")
+    assert not stale, "paths that name no file (moved or renamed?):\n" + "\n".join(stale)

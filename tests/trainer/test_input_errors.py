@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -38,6 +40,15 @@ def test_float_label_for_cross_entropy():
         _trainer().train_step(X, LABEL.float())
     with pytest.raises(TypeError, match=r"input 'label' must have dtype torch.int64, got torch.float32"):
         _built().train_step(X, LABEL.float())
+
+
+def test_float_label_for_cross_entropy_logs_no_torch_traceback(caplog):
+    """Tracing with fake tensors fails on the float label; torch logs that failure with its traceback at ERROR
+    (torch._subclasses.fake_tensor, 15 lines on stderr) before raising it. Our TypeError says it all."""
+    with pytest.raises(TypeError, match=r"input 'label' has dtype torch.float32 .* integer class indices"):
+        _trainer().train_step(X, LABEL.float())
+    logged = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not logged, logged
 
 
 def test_label_index_out_of_range_on_the_first_and_later_steps():

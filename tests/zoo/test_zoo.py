@@ -1,7 +1,7 @@
 """The zoo: real Hugging Face architectures from tiny configs train on ORT as in PyTorch.
 
 Each row: 5 AdamW steps on ORT and in eager PyTorch from the same initial weights; losses and final
-weights compared (tolerances of tests/test_interop_hf.py). Token batches are padded, the pad id among the
+weights compared (tolerances of tests/interop/test_interop_hf.py). Token batches are padded, the pad id among the
 real tokens too (architectures.py); GPT-2 and Mixtral get no attention mask and no cache (transformers then
 checks for packed sequences with torch.diff), Llama, Mistral and Qwen2 a mask; CLIP's loss averages two
 cross-entropies over constant labels (ScaledSum). Models whose loss cannot be exported fail at the
@@ -23,7 +23,7 @@ from tests.zoo.architectures import ARCHITECTURES, Architecture, mixtral
 pytestmark = pytest.mark.zoo
 
 STEPS = 5
-LR, DECAY, EPS = 1e-3, 0.01, 1e-5  # eps 1e-5: see tests/test_interop_hf.py
+LR, DECAY, EPS = 1e-3, 0.01, 1e-5  # eps 1e-5: see tests/interop/test_interop_hf.py
 # CLIP's one-layer text tower: the loss does not depend on the key bias and barely on q/k, so their gradients
 # are rounding noise that Adam scales up to +-lr (torch 5e-6 vs ORT 0 on k_proj.bias; q/k weights 2e-5 apart
 # while the losses agree to 1e-7)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -395,10 +396,29 @@ def _dense_embedding_gradients(module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _meta_failures_unlogged() -> Iterator[None]:
+    """Fake mode logs an op that fails on fake tensors (a float label in cross_entropy's gather) with its whole
+    traceback at ERROR, then raises it: the error reaches the user as our `TraceError`, or as the TypeError that
+    names the input, so the log line only repeats it as 15 lines of torch internals. A filter (not a level):
+    it drops that one message, and concurrent traces (each adds its own) cannot leave the logger changed."""
+
+    def not_a_meta_failure(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addFilter(not_a_meta_failure)
+    try:
+        yield
+    finally:
+        logger.removeFilter(not_a_meta_failure)
+
+
+@contextlib.contextmanager
 def _explained(what: str) -> Iterator[None]:
     """Tracing failures as a `TraceError` naming the user's line and the way out; our own errors pass."""
     try:
-        yield
+        with _meta_failures_unlogged():
+            yield
     except (OutputContractError, OutputContractTypeError, TraceError):
         raise
     except ValueError as error:
