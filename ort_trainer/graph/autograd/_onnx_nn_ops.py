@@ -79,15 +79,23 @@ def _pool(kind: str) -> Callable:
         if len(node.outputs) > 1 and node.outputs[1]:
             raise node.fail("its Indices output (torch lays pooling indices out differently)")
         x, kernel = as_tensor(inputs[0]), node.attrs["kernel_shape"]
-        x, padding, strides, dilations = _padding(node, x, kernel, -math.inf if kind == "max" else 0.0)
         rank, ceil = len(kernel), bool(node.attrs.get("ceil_mode", 0))
         if kind == "max":
-            pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[rank]
-            return [pool(x, kernel, strides, padding, dilations, ceil)]
+            x, padding, strides, dilations = _padding(node, x, kernel, -math.inf)
+            return [
+                {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[rank](x, kernel, strides, padding, dilations, ceil)
+            ]
+        padded, padding, strides, dilations = _padding(node, x, kernel)
         if any(d != 1 for d in dilations):
             raise node.fail("dilations other than 1")
         pool = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[rank]
-        return [pool(x, kernel, strides, padding, ceil, bool(node.attrs.get("count_include_pad", 0)))]
+        include_pad = bool(node.attrs.get("count_include_pad", 0))
+        if include_pad or padded is x:
+            return [pool(padded, kernel, strides, padding, ceil, include_pad)]
+        # pads that differ at the two ends were added to x itself: average over the elements that are not padding
+        ones = _padding(node, torch.ones_like(x[:1, :1]), kernel)[0]
+        counts = pool(ones, kernel, strides, padding, ceil, True)
+        return [pool(padded, kernel, strides, padding, ceil, True) / counts]
 
     return run
 
@@ -140,6 +148,7 @@ def _dropout(node, inputs):
 def _nll(node: OnnxNode, log_prob: torch.Tensor, labels: torch.Tensor, weight) -> torch.Tensor:
     ignore = node.attrs.get("ignore_index", -100)  # torch's default where the node has none
     reduction = node.attrs.get("reduction", "mean")
+    weight = weight.detach() if weight is not None else None  # class weights are constants: torch has no gradient
     return F.nll_loss(log_prob, labels.long(), weight, ignore_index=ignore, reduction=reduction)
 
 

@@ -49,6 +49,11 @@ def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.div(a, b, rounding_mode="trunc") if integral else a / b
 
 
+def _mod(node, inputs):
+    a, b = as_tensor(inputs[0], inputs), as_tensor(inputs[1], inputs)
+    return [torch.fmod(a, b) if node.attrs.get("fmod", 0) else torch.remainder(a, b)]  # fmod=0: the divisor's sign
+
+
 def _cast(node, inputs):
     return [as_tensor(inputs[0]).to(TORCH_DTYPES[node.attrs["to"]])]
 
@@ -160,13 +165,21 @@ def _tile(node, inputs):
 def _pad(node, inputs):
     x = as_tensor(inputs[0])
     pads = input_or_attr(node, inputs, 1, "pads", "pads")
-    value = static_float(node, inputs, 2, "constant_value", node.attrs.get("value", 0.0))
     axes = input_or_attr(node, inputs, 3, "-", "axes")
     axes = [a % x.dim() for a in axes] if axes is not None else list(range(x.dim()))
     begin, end = dict(zip(axes, pads[: len(axes)], strict=True)), dict(zip(axes, pads[len(axes) :], strict=True))
     torch_pads = [p for d in reversed(range(x.dim())) for p in (begin.get(d, 0), end.get(d, 0))]
+    while len(torch_pads) > 2 and torch_pads[-2:] == [0, 0]:  # torch pads from the last dim: outer zeros dropped
+        torch_pads = torch_pads[:-2]
     mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
-    return [F.pad(x, torch_pads, mode=mode[node.attrs.get("mode", "constant")], value=value)]
+    mode = mode[node.attrs.get("mode", "constant")]
+    value = inputs[2] if len(inputs) > 2 and inputs[2] is not None else None
+    if mode != "constant" or not isinstance(value, torch.Tensor):
+        value = static_float(node, inputs, 2, "constant_value", 0.0) if mode == "constant" else None
+        return [F.pad(x, torch_pads, mode=mode, value=value)]
+    # the padding value is a parameter (a float initializer): padded as 0, then the value added where padded
+    border = F.pad(torch.zeros_like(x), torch_pads, value=1.0)
+    return [F.pad(x, torch_pads) + border * value.to(x.dtype)]
 
 
 def _reduce(function: Callable) -> Callable:
@@ -255,7 +268,7 @@ TORCH_OPS: dict[str, Callable[[OnnxNode, Sequence[Value]], list]] = {
     "Sum": _variadic(torch.add), "Max": _variadic(torch.maximum), "Min": _variadic(torch.minimum),
     "Mean": lambda node, inputs: [_variadic(torch.add)(node, inputs)[0] / len(inputs)],
     "Cast": _cast, "CastLike": lambda node, inputs: [as_tensor(inputs[0]).to(as_tensor(inputs[1]).dtype)],
-    "Clip": _clip,
+    "Clip": _clip, "Mod": _mod,
     "LeakyRelu": _with_attrs(lambda x, alpha: F.leaky_relu(x, alpha), alpha=0.01),
     "Elu": _with_attrs(lambda x, alpha: F.elu(x, alpha), alpha=1.0),
     "Selu": _with_attrs(_selu, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875),
