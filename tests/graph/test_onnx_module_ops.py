@@ -95,6 +95,24 @@ CASES = {
     "negative_log_likelihood_none": ("NegativeLogLikelihoodLoss", {"reduction": "none"},
                                      {"x": _f(5, 3), "y": _i([0, 2, 1, 1, 0])}, {}, 1, 18),
 }  # fmt: skip
+_POSITIVE = {"Log", "Sqrt", "Reciprocal"}
+for _op in ("Abs", "Ceil", "Cos", "Erf", "Exp", "Floor", "Identity", "Log", "Neg", "Reciprocal", "Relu", "Round",
+            "Sigmoid", "Sign", "Sin", "Softplus", "Sqrt", "Tanh", "HardSwish", "IsNaN"):  # fmt: skip
+    _x = np.abs(_f(3, 4)) + 0.1 if _op in _POSITIVE else _f(3, 4) * 3
+    CASES[f"unary_{_op}"] = (_op, {}, {"x": _x}, {}, 1, 18)
+for _op in ("Add", "Sub", "Mul", "Div", "Pow", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Max",
+            "Min", "Mean", "Sum"):  # fmt: skip
+    _x = np.round(_f(3, 4)) if _op == "Equal" else np.abs(_f(3, 4)) + 0.1
+    CASES[f"broadcast_{_op}"] = (_op, {}, {"x": _x, "y": np.round(_f(1, 4)) if _op == "Equal" else _f(1, 4)}, {}, 1, 18)
+for _op in ("And", "Or", "Xor"):
+    CASES[f"logical_{_op}"] = (_op, {}, {"x": _f(3, 4) > 0, "y": _f(1, 4) > 0}, {}, 1, 18)
+CASES["logical_Not"] = ("Not", {}, {"x": _f(3, 4) > 0}, {}, 1, 18)
+CASES["argmin_keepdims"] = ("ArgMin", {"axis": -1}, {"x": _f(3, 5)}, {}, 1, 18)
+CASES["reduce_max_min"] = ("ReduceMax", {"keepdims": 0}, {"x": _f(3, 5)}, {"a": _i([1])}, 1, 18)
+CASES["reduce_min"] = ("ReduceMin", {}, {"x": _f(3, 5)}, {"a": _i([0])}, 1, 18)
+CASES["reduce_sum_square"] = ("ReduceSumSquare", {}, {"x": _f(3, 5)}, {"a": _i([1])}, 1, 18)
+CASES["global_max_pool"] = ("GlobalMaxPool", {}, {"x": _f(2, 3, 4)}, {}, 1, 18)
+CASES["cast_like"] = ("CastLike", {}, {"x": _f(3, 4) * 4, "y": _i([1])}, {}, 1, 18)
 
 
 def _model(op, attrs, feeds, constants, outputs, opset) -> onnx.ModelProto:

@@ -12,9 +12,9 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 * ``_onnx_passes``: the exported graph made cheaper for ORT to hold and run (`collapse_layout_chains`,
   `fold_zero_scatter_adds`, `fold_one_hot_loss_gradients`, run by `graph_to_onnx`), and the ORT optimizers
   its sessions leave out (`DISABLED_ORT_OPTIMIZERS`);
-* ``_onnx_module`` / ``_onnx_ops``: `OnnxModule`, a user-given ``onnx.ModelProto`` as a torch module (its
-  standard ops as torch ops, its float initializers as parameters under their ONNX names), so that the same
-  trace trains it; `onnx_model_problems` names what has no route;
+* ``_onnx_module``: `OnnxModule`, a user-given ``onnx.ModelProto`` as a torch module (its float initializers as
+  parameters under their ONNX names), so that the same trace trains it; `onnx_model_problems` names what has no
+  route; ``_onnx_ops`` / ``_onnx_nn_ops``: its standard ops as torch ops, over ``_onnx_node``'s `OnnxNode`;
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions;
 * ``_quick_key``: `quick_fingerprint`, the cache's pre-key read off the module without a trace (a resumed

@@ -66,7 +66,7 @@ def as_tensor(value: Value, like: Sequence[Value] = ()) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     device = next((v.device for v in like if isinstance(v, torch.Tensor)), None)
-    return torch.as_tensor(np.ascontiguousarray(value), device=device)
+    return torch.tensor(np.asarray(value), device=device)  # a copy: ONNX's arrays are often read-only
 
 
 def optional(inputs: Sequence[Value], index: int, like: Sequence[Value] = ()) -> torch.Tensor | None:
