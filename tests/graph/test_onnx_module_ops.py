@@ -190,3 +190,31 @@ def test_shape_arithmetic_is_computed_at_trace_time_by_the_reference_implementat
     (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     got = OnnxModule(model, {}, ())(x=torch.from_numpy(x))["out"]
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+
+
+def test_initializer_names_that_cannot_be_parameter_paths_are_refused_every_one():
+    """Parameters live under their ONNX names (``a.b`` is the parameter ``b`` of the submodule ``a``): a name that
+    is also another's submodule, an empty part, or a part that is an attribute of torch.nn.Module cannot."""
+    names = ["enc", "enc.w", "head..b", "model.training", "fine.weight"]
+    nodes = [helper.make_node("Mul", ["x", n], [f"y{i}"]) for i, n in enumerate(names)]
+    nodes.append(helper.make_node("Sum", [f"y{i}" for i in range(len(names))], ["out"]))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [onnx.ValueInfoProto(name="out")],
+        [numpy_helper.from_array(np.ones(2, np.float32), n) for n in names],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    state = {n: torch.ones(2) for n in names}
+    with pytest.raises(ValueError, match=r"cannot be torch parameter names \['enc', 'head\.\.b', 'model\.training'\]"):
+        OnnxModule(model, state, trainable=set(names))
+    renamed = {"enc": "enc_all", "head..b": "head.b", "model.training": "model.t"}
+    for node in model.graph.node:
+        node.input[:] = [renamed.get(i, i) for i in node.input]
+    for init in model.graph.initializer:
+        init.name = renamed.get(init.name, init.name)
+    state = {renamed.get(n, n): t for n, t in state.items()}
+    module = OnnxModule(model, state, trainable=set(state))
+    assert sorted(name for name, _ in module.named_parameters()) == sorted(state)
+    torch.testing.assert_close(module(x=torch.full((2,), 2.0))["out"], torch.full((2,), 10.0))
