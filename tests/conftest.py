@@ -22,7 +22,7 @@ def trainer_options() -> dict[str, Any]:
 
 
 # Test files that mean the onnxblock engine (onnxruntime-training's gradient builder, its graph rewrites,
-# fp16 graphs, Megatron segments, ONNX-model input): every test in them is marked `onnxblock`. The stock-runtime
+# fp16 graphs, Megatron segments): every test in them is marked `onnxblock`. The stock-runtime
 # venv runs `-m "not onnxblock"` (`make test-stock`), which then does not even import them; anywhere else they
 # run, and without onnxruntime-training they fail on import (never skipped).
 ONNXBLOCK_ONLY = frozenset(
@@ -48,7 +48,7 @@ ONNXBLOCK_ONLY = frozenset(
         "checkpoint/test_checkpoint_fork.py",
     }
 )
-# Single tests that mean the onnxblock engine (its graph passes, fp16 graphs, Megatron, ONNX-model input, its
+# Single tests that mean the onnxblock engine (its graph passes, fp16 graphs, Megatron, its
 # debug graph files), by "file::test" prefix (parametrized ids included).
 ONNXBLOCK_TESTS = frozenset(
     {
@@ -62,10 +62,10 @@ ONNXBLOCK_TESTS = frozenset(
         "trainer/test_legacy_models.py::test_a_module_that_cannot_be_deep_copied_trains_and_is_left_as_it_was",
         "trainer/test_legacy_models.py::test_a_module_that_cannot_be_deep_copied_shows_one_training_forward_in_its_statistics",
         "trainer/test_trainer_api.py::test_dimension_baked_by_the_exporter_gets_a_clear_error",
-        # onnxblock-only inputs: _internal_use.extra_postprocess, an onnx.ModelProto model
+        # onnxblock-only input: _internal_use.extra_postprocess
         "trainer/test_legacy_models.py::test_extra_postprocess_gets_the_forward_graph_and_its_result_is_used",
-        "trainer/test_trainer_api.py::test_onnx_model_trains_like_the_torch_model",
-        "trainer/test_trainer_api.py::test_onnx_model_checks",
+        # an onnx.ModelProto model on both engines
+        "engine/test_onnx_model_engines.py::test_both_engines_train_an_onnx_model_alike_and_share_its_checkpoints",
         # the onnxblock engine's message from its graph's label specs; the autograd engine names the input with
         # PyTorch's own message (tests/engine/test_autograd_engine.py)
         "trainer/test_input_errors.py::test_label_index_out_of_range_where_the_graph_does_not_say_the_class_count",
@@ -140,6 +140,8 @@ SLOW_TESTS = frozenset(
         "distributed/test_objects_distributed.py::"
         "test_ddp_writes_once_and_zero_shards_aggregate_and_load_into_any_world_size",
         "engine/test_fork_safety.py::test_a_forked_child_frees_its_inherited_trainer_without_hanging",  # 24 s
+        # 22 s (MLP, CNN with BatchNorm, Embedding/LayerNorm/reshape; the MLP alone runs in `make test` too)
+        "engine/test_onnx_model_engines.py::test_an_onnx_model_trains_on_the_autograd_engine_as_pytorch_trains_its_source",
     }
 )
 # `make test-latest`: a representative selection run in a fresh venv with the newest releases the declared ranges

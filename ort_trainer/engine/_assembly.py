@@ -27,7 +27,7 @@ from ort_trainer.graph import bind_forward_inputs, model_input_names, outer_modu
 from ort_trainer.optim.config import OptimizerConfig
 from ort_trainer.train_step_info import TrainStepInfo
 
-from ._autograd_build import check_autograd_supported
+from ._autograd_build import check_autograd_onnx_model, check_autograd_supported
 from ._distributed import DistributedContext
 from ._protocols import ModelParallelFactory
 from ._random import agreed_run_seed
@@ -89,6 +89,8 @@ def assemble_trainer_state(
     )
     if isinstance(model, onnx.ModelProto):
         check_onnx_io(model, model_desc)
+        if engine_name == "autograd":
+            check_autograd_onnx_model(model, model_desc)
     # The whole state exists from here on (parameters, optimizer, frozen state), before any graph.
     # Megatron (horizontal parallel): the state is built from this rank's slice of the model (docs/megatron.md)
     horizontal = model_parallel(model, options, optim_config, device.torch_device) if model_parallel else None

@@ -5,14 +5,17 @@ the module untouched), exported with the dynamo exporter, cached on disk by grap
 versions (`GraphCache`). They run in a stock ``InferenceSession`` over the same `ParamStore` buffers,
 optimizer, checkpoints and distributed update as the onnxblock engine (`AutogradSession`).
 
-What this engine cannot do yet raises here, naming the engine that can (docs/engines.md): an
-``onnx.ModelProto`` model (there is no PyTorch autograd to ask), mixed precision (fp16 graphs),
-Megatron segments, and ``_internal_use.extra_postprocess`` (it edits the onnxblock forward graph).
+A user-given ``onnx.ModelProto`` is trained as an `OnnxModule` (its standard ops as torch ops, its float
+initializers as parameters under their ONNX names): the same trace, export and session. What this engine cannot
+do yet raises here, naming the engine that can (docs/engines.md): ONNX ops without a torch route, mixed
+precision (fp16 graphs), Megatron segments, and ``_internal_use.extra_postprocess`` (it edits the onnxblock
+forward graph).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
@@ -21,15 +24,18 @@ from concurrent.futures import ThreadPoolExecutor
 import onnx
 import torch
 
-from ort_trainer.graph import explain_trace_failure
+from ort_trainer.config.model_desc import ModelDescription
+from ort_trainer.graph import explain_trace_failure, onnx_model_parameters
 from ort_trainer.graph.autograd import (
     GraphCache,
     GraphNames,
+    OnnxModule,
     TracedGraph,
     TraceError,
     constant_buffers,
     graph_cache_from_env,
     graph_to_onnx,
+    onnx_model_problems,
     quick_fingerprint,
     trace_graph,
 )
@@ -39,7 +45,7 @@ from ._build import BuildRequest, Engine, engine_for, save_debug_graph
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
 
-__all__ = ["build_autograd_engine", "check_autograd_supported"]
+__all__ = ["build_autograd_engine", "check_autograd_onnx_model", "check_autograd_supported"]
 
 _log = logging.getLogger("ort_trainer")
 _ONNXBLOCK = "options={'utils': {'engine': 'onnxblock'}} (needs onnxruntime-training: docs/engines.md)"
@@ -51,8 +57,6 @@ def check_autograd_supported(
 ) -> None:
     """ValueError naming what the autograd engine cannot do yet and the engine that can."""
     problems = []
-    if isinstance(model, onnx.ModelProto):
-        problems.append("an onnx.ModelProto model (it has no PyTorch autograd to take the gradients from)")
     if mixed_precision:
         problems.append("mixed_precision.enabled (fp16 graphs)")
     if horizontal:
@@ -61,6 +65,21 @@ def check_autograd_supported(
         problems.append("_internal_use.extra_postprocess (it edits the onnxblock engine's forward graph)")
     if problems:
         raise ValueError(f"the autograd engine does not support {'; '.join(problems)} yet; use {_ONNXBLOCK}")
+
+
+def check_autograd_onnx_model(model: onnx.ModelProto, desc: ModelDescription) -> None:
+    """ValueError naming every part of a user-given ONNX model that the autograd engine cannot run (every op
+    without a torch route, by op type and node name), or a graph input that no ``model_desc`` input feeds."""
+    held = {init.name for init in model.graph.initializer}
+    unfed = [i.name for i in model.graph.input if i.name not in held and i.name not in desc.input_names]
+    if unfed:
+        raise ValueError(
+            f"the ONNX model's graph inputs {unfed} are not model_desc inputs; list every graph input that is not "
+            f"an initializer in model_desc['inputs'] (it has {list(desc.input_names)})"
+        )
+    problems = onnx_model_problems(model, onnx_model_parameters(model))
+    if problems:
+        raise ValueError(f"the autograd engine cannot train this ONNX model: {'; '.join(problems)}; use {_ONNXBLOCK}")
 
 
 def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
@@ -72,6 +91,8 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         extra_postprocess=request.extra_postprocess,
     )
     store, desc = request.store, request.desc
+    if isinstance(request.model, onnx.ModelProto):  # its parameters are the store's tensors, under the ONNX names
+        request = dataclasses.replace(request, model=OnnxModule(request.model, store.weights, store.layout.names))
     trainable = {name: store.param_views[name] for name in store.layout.names}
     frozen = dict(store.frozen)
     first_inputs = dict(zip(desc.input_names, sample_inputs, strict=True))

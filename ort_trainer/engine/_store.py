@@ -82,7 +82,10 @@ def _onnx_state(model: onnx.ModelProto) -> ModelState:
     initial = {
         i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in model.graph.initializer if i.name in wanted
     }
-    return ModelState(names, dict.fromkeys(names, True), {n: n for n in names}, initial, {}, list(names), list(names))
+    # BatchNorm's running mean and variance are state the forward writes, not weights (torch's buffers): frozen
+    statistics = {name for node in model.graph.node if node.op_type == "BatchNormalization" for name in node.input[3:5]}
+    requires_grad = {name: name not in statistics for name in names}
+    return ModelState(names, requires_grad, {n: n for n in names}, initial, {}, list(names), list(names))
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -126,17 +127,22 @@ def test_what_the_autograd_engine_cannot_do_names_the_engine_that_can():
             loss_fn=ce,
             options={"utils": {"engine": "autograd"}, "mixed_precision": {"enabled": True}},
         )
+    nodes = [  # an ONNX model trains on this engine, but not one with an op it has no route for
+        onnx.helper.make_node("Mul", ["x", "w"], ["h"]),
+        onnx.helper.make_node("TopK", ["h", "k"], ["top", "at"]),
+        onnx.helper.make_node("ReduceSum", ["top"], ["loss"], keepdims=0),
+    ]
     graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("ReduceSum", ["w"], ["loss"], keepdims=0)],
+        nodes,
         "g",
-        [],
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3])],
         [onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])],
-        [onnx.numpy_helper.from_array(torch.ones(2).numpy(), "w")],
+        [onnx.numpy_helper.from_array(torch.ones(3).numpy(), "w"), onnx.numpy_helper.from_array(np.array([2]), "k")],
     )
-    with pytest.raises(ValueError, match=r"onnx\.ModelProto model .*'engine': 'onnxblock'"):
+    with pytest.raises(ValueError, match=r"ONNX ops without a torch route: TopK .*'engine': 'onnxblock'"):
         ORTTrainer(
             onnx.helper.make_model(graph),
-            {"inputs": [], "outputs": [("loss", [], True)]},
+            {"inputs": [("x", [3])], "outputs": [("loss", [], True)]},
             optim.SGDConfig(lr=0.1),
             options={"utils": {"engine": "autograd"}},
         )

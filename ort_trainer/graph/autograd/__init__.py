@@ -12,6 +12,9 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 * ``_onnx_passes``: the exported graph made cheaper for ORT to hold and run (`collapse_layout_chains`,
   `fold_zero_scatter_adds`, `fold_one_hot_loss_gradients`, run by `graph_to_onnx`), and the ORT optimizers
   its sessions leave out (`DISABLED_ORT_OPTIMIZERS`);
+* ``_onnx_module``: `OnnxModule`, a user-given ``onnx.ModelProto`` as a torch module (its float initializers as
+  parameters under their ONNX names), so that the same trace trains it; `onnx_model_problems` names what has no
+  route; ``_onnx_ops`` / ``_onnx_nn_ops``: its standard ops as torch ops, over ``_onnx_node``'s `OnnxNode`;
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions;
 * ``_quick_key``: `quick_fingerprint`, the cache's pre-key read off the module without a trace (a resumed
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from ._cache import GraphCache, graph_cache_from_env
 from ._decompositions import training_decompositions
+from ._onnx_module import OnnxModule, onnx_model_problems
 from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
 from ._quick_key import quick_fingerprint
 from ._random import RandomInput, lift_random_ops
@@ -32,6 +36,7 @@ __all__ = [
     "DISABLED_ORT_OPTIMIZERS",
     "GraphCache",
     "GraphNames",
+    "OnnxModule",
     "RandomInput",
     "TraceError",
     "TracedGraph",
@@ -41,6 +46,7 @@ __all__ = [
     "graph_cache_from_env",
     "graph_to_onnx",
     "lift_random_ops",
+    "onnx_model_problems",
     "quick_fingerprint",
     "trace_graph",
     "training_decompositions",
