@@ -260,3 +260,18 @@ def test_bfloat16_on_cpu_trains_in_float32_with_the_loss_scaled():
     bf16 = _trainer(MLP(), MLP_DESC, ce, optim.AdamConfig(lr=0.01), None, mixed={"dtype": "bfloat16"})
     for batch in mlp_batches(3):
         assert torch.equal(fp16.train_step(*batch), bf16.train_step(*batch))
+
+
+def test_an_input_named_like_the_loss_scale_is_a_clear_error():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x, loss_scale):
+            return self.fc(x) * loss_scale
+
+    desc = {"inputs": [("x", ["b", 4]), ("loss_scale", []), ("y", ["b"])], "outputs": [("loss", [], True)]}
+    trainer = _trainer(Scaled(), desc, ce, optim.SGDConfig(), None)
+    with pytest.raises(ValueError, match=r"adds the graph input 'loss_scale' \(the loss scale\).*rename it"):
+        trainer.train_step(torch.randn(3, 4), torch.tensor(2.0), torch.tensor([0, 1, 0]))
