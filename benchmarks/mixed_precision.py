@@ -3,9 +3,12 @@
 Each configuration runs in its own subprocess so that peak RSS (ru_maxrss) belongs to it alone.
 On the CPU execution provider the fp16 probe finds no fp16 arithmetic kernels, so "fp16" there is the
 fp32 graph plus loss scaling: the table shows what that costs. ``--force-fp16`` marks every op as
-fp16-capable (what a CUDA provider reports) to measure the cast-heavy graph on CPU.
+fp16-capable (what a CUDA provider reports) to measure the cast-heavy graph on CPU (the onnxblock engine's
+converted graph; the autograd engine's autocast graph). On ``--device cuda`` with onnxruntime-gpu the
+autograd engine's fp16/bf16 graphs run on the CUDA provider's kernels: that is the measurement a GPU gives.
 
     python benchmarks/mixed_precision.py [--steps 30] [--device cpu|cuda] [--force-fp16]
+        [--engine auto|onnxblock|autograd] [--dtype float16|bfloat16]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _child(args) -> None:
     sys.path.insert(0, str(REPO))
+    import ort_trainer.engine._autograd_precision as autograd_precision
     import ort_trainer.engine._build as build
     from ort_trainer import ORTTrainer, optim
     from tests.models import LM_DESC, TinyLM, lm_batches, lm_loss
@@ -33,9 +37,10 @@ def _child(args) -> None:
     torch.set_num_threads(2)
     if args.force_fp16:
         build.provider_fp16_support = lambda providers, ops: dict.fromkeys(((d, o) for d, o, *_ in ops), True)
-    options = {"device": {"id": args.device}}
+        autograd_precision.low_precision_support = lambda providers, ops, elem: {(d, o): True for d, o, *_ in ops}
+    options = {"device": {"id": args.device}, "utils": {"engine": args.engine}}
     if args.mixed:
-        options["mixed_precision"] = {"enabled": True}
+        options["mixed_precision"] = {"enabled": True, "dtype": args.dtype}
     torch.manual_seed(0)
     model = TinyLM(vocab=2000, d_model=256, layers=2, heads=4)
     trainer = ORTTrainer(model, LM_DESC, optim.AdamConfig(lr=1e-4), loss_fn=lm_loss, options=options)
@@ -55,6 +60,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--force-fp16", action="store_true")
+    parser.add_argument("--engine", default="auto", choices=["auto", "onnxblock", "autograd"])
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--mixed", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -67,12 +74,15 @@ def main() -> None:
     rows = []
     for mixed in (False, True):
         cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--device", args.device]
+        cmd += ["--engine", args.engine, "--dtype", args.dtype]
         cmd += ["--mixed"] * mixed + ["--force-fp16"] * args.force_fp16
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        rows.append(("fp16 (mixed precision)" if mixed else "fp32", json.loads(out)))
+        rows.append((f"{args.dtype} (mixed precision)" if mixed else "fp32", json.loads(out)))
     base = rows[0][1]["ms"]
-    print(f"\nTinyLM vocab 2000, d_model 256, 2 layers, batch 8 x 128 on {args.device}"
-          f"{' (all ops forced fp16)' if args.force_fp16 else ''}; median of {args.steps} steps")
+    print(
+        f"\nTinyLM vocab 2000, d_model 256, 2 layers, batch 8 x 128 on {args.device}, engine {args.engine}"
+        f"{' (all ops forced fp16)' if args.force_fp16 else ''}; median of {args.steps} steps"
+    )
     print("| precision | ms/step | steps/s | vs fp32 | peak RSS MB |\n|---|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} | {r['ms']:.1f} | {1e3 / r['ms']:.2f} | {base / r['ms']:.2f}x | {r['peak_mb']:.0f} |")

@@ -208,16 +208,25 @@ class DistributedOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecisionOptions:
-    """fp16 training; enabling it without a scaler creates a ``DynamicLossScaler()``."""
+    """fp16 training; enabling it without a scaler creates a ``DynamicLossScaler()``.
+
+    ``dtype`` (ours, default "float16"): the low-precision type, "float16" or "bfloat16" (the autograd engine
+    only: it traces the step under ``torch.autocast`` with that dtype where the provider has the kernels).
+    """
 
     _PATH: ClassVar[str] = "mixed_precision"
     enabled: bool = False
     loss_scaler: LossScaler | None = None
+    dtype: str = "float16"
 
     def __post_init__(self) -> None:
         c = Checker(self)
         c.boolean("enabled")
         c.instance("loss_scaler", LossScaler, "an amp.LossScaler")
+        if not isinstance(self.dtype, str):
+            c.fail("dtype", "must be 'float16' or 'bfloat16'", is_type=True)
+        elif self.dtype not in ("float16", "bfloat16"):
+            c.fail("dtype", f"must be 'float16' or 'bfloat16', got {self.dtype!r}")
         if c.ok("enabled", "loss_scaler"):
             if self.loss_scaler is not None and not self.enabled:
                 c.fail("loss_scaler", "Loss Scaler cannot be specified when Mixed Precision is not enabled")

@@ -9,8 +9,9 @@
 * ``_session``: ``TrainingSession``, IOBinding of the flat buffers and the runs; ``_dlpack``: torch tensors as
   ``OrtValue``s and back without copies, on every onnxruntime release we support;
 * ``_onnxblock_graphs``: the gradient graph from onnxruntime-training's onnxblock (imported only by that engine);
-* ``_autograd_build`` / ``_autograd_session``: the autograd engine (graphs from PyTorch's autograd, any
-  onnxruntime): its build, and its session over the same buffers;
+* ``_autograd_build`` / ``_autograd_session`` / ``_autograd_precision``: the autograd engine (graphs from
+  PyTorch's autograd, any onnxruntime): its build, its session over the same buffers, and its mixed precision
+  on the provider at hand;
 * ``_distributed``: ``DistributedContext``, the process group, ZeRO partitions and teardown;
 * ``_memory``: returning the build's freed scratch to the OS; ``_shared_arena``: one CPU arena for the sessions
   we make (a trainer's training and eval graphs, ORTModule's forward and backward);

@@ -60,9 +60,13 @@ def assemble_trainer_state(
     if engine_name == "autograd":
         check_autograd_supported(
             model,
-            mixed_precision=bool(options.mixed_precision.enabled),
             horizontal=options.distributed.horizontal_parallel_size > 1,
             extra_postprocess=options._internal_use.extra_postprocess,
+        )
+    elif options.mixed_precision.enabled and options.mixed_precision.dtype != "float16":
+        raise ValueError(
+            f"mixed_precision.dtype={options.mixed_precision.dtype!r} needs the autograd engine (the onnxblock "
+            "engine's graphs are float16): use options={'utils': {'engine': 'autograd'}} or dtype 'float16'"
         )
     model_desc = validate_model_desc(model_desc, require_loss=True)
     if isinstance(model, torch.nn.Module):  # model_desc names must be forward()'s parameters (legacy rule)

@@ -6,10 +6,12 @@ versions (`GraphCache`). They run in a stock ``InferenceSession`` over the same 
 optimizer, checkpoints and distributed update as the onnxblock engine (`AutogradSession`).
 
 A user-given ``onnx.ModelProto`` is trained as an `OnnxModule` (its standard ops as torch ops, its float
-initializers as parameters under their ONNX names): the same trace, export and session. What this engine cannot
-do yet raises here, naming the engine that can (docs/engines.md): ONNX ops without a torch route, mixed
-precision (fp16 graphs), Megatron segments, and ``_internal_use.extra_postprocess`` (it edits the onnxblock
-forward graph).
+initializers as parameters under their ONNX names): the same trace, export and session. Mixed precision is
+PyTorch's (`_autograd_precision`): the step traced under ``torch.autocast`` where the provider has low-precision
+kernels, the backward from ``loss * loss_scale`` (a graph input the step feeds).
+
+What this engine cannot do yet raises here, naming the engine that can (docs/engines.md): ONNX ops without a
+torch route, Megatron segments, and ``_internal_use.extra_postprocess`` (it edits the onnxblock forward graph).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import torch
 from ort_trainer.config.model_desc import ModelDescription
 from ort_trainer.graph import explain_trace_failure, onnx_model_parameters
 from ort_trainer.graph.autograd import (
+    LOSS_SCALE_INPUT,
     GraphCache,
     GraphNames,
     OnnxModule,
+    Precision,
     TracedGraph,
     TraceError,
     constant_buffers,
@@ -40,6 +44,7 @@ from ort_trainer.graph.autograd import (
     trace_graph,
 )
 
+from ._autograd_precision import autograd_precision, report_fallbacks
 from ._autograd_session import AutogradGraphs, AutogradSession
 from ._build import BuildRequest, Engine, engine_for, save_debug_graph
 from ._memory import release_freed_memory
@@ -52,13 +57,9 @@ _ONNXBLOCK = "options={'utils': {'engine': 'onnxblock'}} (needs onnxruntime-trai
 _METADATA = "ort_trainer.traced"  # the finished graph's names, stored in the cached model (`TracedGraph.metadata`)
 
 
-def check_autograd_supported(
-    model: object, *, mixed_precision: bool, horizontal: bool, extra_postprocess: object | None
-) -> None:
+def check_autograd_supported(model: object, *, horizontal: bool, extra_postprocess: object | None) -> None:
     """ValueError naming what the autograd engine cannot do yet and the engine that can."""
     problems = []
-    if mixed_precision:
-        problems.append("mixed_precision.enabled (fp16 graphs)")
     if horizontal:
         problems.append("distributed.horizontal_parallel_size > 1 (Megatron segments)")
     if extra_postprocess is not None:
@@ -86,10 +87,10 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     """Trace + export (or load from the graph cache) the training graph, open its session."""
     check_autograd_supported(
         request.model,
-        mixed_precision=request.mixed_precision,
         horizontal=request.horizontal is not None,
         extra_postprocess=request.extra_postprocess,
     )
+    precision = autograd_precision(request.mixed_precision, request.mixed_precision_dtype, request.device.providers)
     store, desc = request.store, request.desc
     if isinstance(request.model, onnx.ModelProto):  # its parameters are the store's tensors, under the ONNX names
         request = dataclasses.replace(request, model=OnnxModule(request.model, store.weights, store.layout.names))
@@ -108,16 +109,19 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
             fingerprint = quick_fingerprint(
                 request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training
             )
-            quick_key = cache.key(fingerprint, _cache_options(training))
+            quick_key = cache.key(fingerprint, _cache_options(training, precision))
             if quick:
-                found = _found_by_pre_key(request, cache, quick_key, inputs, trainable, frozen, training, constants)
+                state = (trainable, frozen, constants)
+                found = _found_by_pre_key(request, cache, quick_key, inputs, state, training, precision)
                 if found is not None:
                     return found
-        traced = trace_graph(request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training)
+        traced = trace_graph(
+            request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training, precision=precision
+        )
         for name, value in zip(traced.input_names, traced.sample_args, strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
                 constants.setdefault(name, value.detach().clone())
-        model, key = _exported(traced, cache, training)
+        model, key = _exported(traced, cache, training, precision)
         if cache is not None and quick_key is not None and key is not None:
             try:
                 cache.put_alias(quick_key, key)
@@ -156,6 +160,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     try:
         with progress.phase("trace and export the training graph"):
             first = build(None, True, request.verify_beside_first_run)
+            report_fallbacks(first.model, precision, request.device.providers)
         with progress.phase("training session"):
             session = AutogradSession(
                 build,
@@ -171,6 +176,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
                 request.shrink_arena,
                 explain=explain,
                 adopt=adopt,
+                step_inputs=precision.extra_inputs(True),
             )
     except TraceError as error:
         raise _explained_trace_error(request, error, list(sample_inputs)) from error
@@ -184,6 +190,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         eval_model=None,
         output_types=_output_types(first.model),
         tracks_batches=bool(first.names.updated),  # BatchNorm statistics are the buffers a forward writes
+        loss_scale_input=LOSS_SCALE_INPUT if precision.loss_scale else None,
     )
     return engine
 
@@ -211,8 +218,8 @@ def _explained_trace_error(request: BuildRequest, error: TraceError, inputs: Seq
     return explained if explained is not None else error
 
 
-def _cache_options(training: bool) -> dict[str, object]:
-    return {"training": training, "opset": "exporter-default"}
+def _cache_options(training: bool, precision: Precision) -> dict[str, object]:
+    return {"training": training, "opset": "exporter-default", **precision.cache_options()}
 
 
 def _found_by_pre_key(
@@ -220,13 +227,14 @@ def _found_by_pre_key(
     cache: GraphCache,
     quick_key: str,
     inputs: list[torch.Tensor],
-    trainable: dict[str, torch.Tensor],
-    frozen: dict[str, torch.Tensor],
+    state: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]],
     training: bool,
-    constants: dict[str, torch.Tensor],
+    precision: Precision,
 ) -> AutogradGraphs | None:
     """The cached graph that pre-key ``quick_key`` led to before, with the trace that verifies it started in a
-    thread (`AutogradGraphs.pending`); its constant inputs added to ``constants``. None on a miss."""
+    thread (`AutogradGraphs.pending`). ``state``: the trainable and frozen tensors, and the constants dict the
+    graph's constant inputs are added to. None on a miss."""
+    trainable, frozen, constants = state
     key = cache.alias(quick_key)
     model = cache.get(key) if key is not None else None
     if model is None:
@@ -246,10 +254,12 @@ def _found_by_pre_key(
     def verify() -> bool:
         """True when a trace of the model gives the graph the pre-key found."""
         try:
-            traced = trace_graph(request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training)
+            traced = trace_graph(
+                request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training, precision=precision
+            )
         except TraceError as error:
             raise _explained_trace_error(request, error, inputs) from error
-        return cache.key(traced.fingerprint(), _cache_options(training)) == key
+        return cache.key(traced.fingerprint(), _cache_options(training, precision)) == key
 
     _log.info(
         "graph cache: %s graph found by the model's pre-key in %s; a trace verifies it beside the first step",
@@ -263,12 +273,14 @@ def _found_by_pre_key(
     return AutogradGraphs(model, names, dict(zip(desc.input_names, inputs, strict=True)), pending=pending)
 
 
-def _exported(traced: TracedGraph, cache: GraphCache | None, training: bool) -> tuple[onnx.ModelProto, str | None]:
+def _exported(
+    traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision
+) -> tuple[onnx.ModelProto, str | None]:
     """The ONNX graph of ``traced`` and its cache key: from the cache when it holds this key (the finished graph's
     names come with it, so the functionalising second trace is skipped), else finished, exported and stored."""
     if cache is None:
         return _export(traced), None
-    key = cache.key(traced.fingerprint(), _cache_options(training))
+    key = cache.key(traced.fingerprint(), _cache_options(training, precision))
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(cache.building(key))

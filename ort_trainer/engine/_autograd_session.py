@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -145,6 +145,7 @@ class AutogradSession:
         max_shapes: int = 4,
         explain: Callable[[Mapping[str, torch.Tensor], Exception], Exception | None] | None = None,
         adopt: Callable[[AutogradGraphs], None] | None = None,
+        step_inputs: Sequence[str] = (),
     ):
         self._build, self._device, self._explain, self._adopt = build, device, explain, adopt
         self._session_options, self._user_outputs = session_options, list(user_outputs)
@@ -161,6 +162,8 @@ class AutogradSession:
         self._generator = torch.Generator(device=device.torch_device)
         self._untrusted: set[tuple[bool, tuple]] = set()  # (training, signature): rebuilt without the pre-key
         self._unused = frozenset(first.names.unused_inputs)  # inputs the first graph does not read: not fed
+        # graph inputs the step feeds beside the user's (the loss scale): every graph takes them, whatever the shapes
+        self._step_inputs = frozenset(step_inputs)
         self._first = _first_signature(first)
         self._train[self._first] = _ShapeSession(self, first, training=True)
 
@@ -237,7 +240,7 @@ class AutogradSession:
     # ---------------------------------------------------------------- internals
     def _signature(self, inputs: Mapping[str, torch.Tensor]) -> tuple:
         """The graph ``inputs`` need: the name, shape and dtype of each input the first graph reads."""
-        return _signature({n: t for n, t in inputs.items() if n not in self._unused})
+        return _signature({n: t for n, t in inputs.items() if n not in self._unused and n not in self._step_inputs})
 
     def _session_for(self, sessions: OrderedDict, signature: tuple, *, training: bool, inputs) -> _ShapeSession:
         found = sessions.get(signature)

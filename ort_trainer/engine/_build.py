@@ -75,6 +75,7 @@ class Engine:
     bn_stats: list[BatchNormStats] = field(default_factory=list)
     zero_stage: int = 0
     loss_scale_input: str | None = None  # mixed precision: the graph's float32 loss-scale input
+    loss_scale_feed: tuple[float, torch.Tensor] | None = None  # (the scale, the 0-d tensor fed with it): `_step`
     unused_inputs: tuple[str, ...] = ()  # model_desc inputs the graph does not read (accepted, not fed)
     label_specs: list[LabelSpec] = field(default_factory=list)  # inputs that reach a loss as class indices
     output_types: dict[str, int] = field(default_factory=dict)  # graph output -> ONNX elem type (legacy dtypes)
@@ -176,6 +177,7 @@ class BuildRequest:
     extra_postprocess: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None  # _internal_use option
     zero_stage: int = 0
     mixed_precision: bool = False
+    mixed_precision_dtype: str = "float16"  # mixed_precision.dtype: "float16" or "bfloat16" (autograd engine only)
     shrink_arena: bool = False  # utils.shrink_memory_arena
     horizontal: ModelParallel | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
     engine: str = "onnxblock"  # the graph source (`_sources.choose_engine`): "onnxblock" or "autograd"
@@ -201,6 +203,7 @@ class BuildRequest:
             extra_postprocess=options._internal_use.extra_postprocess,
             zero_stage=options.distributed.deepspeed_zero_optimization.stage,
             mixed_precision=bool(options.mixed_precision.enabled),
+            mixed_precision_dtype=options.mixed_precision.dtype,
             shrink_arena=bool(options.utils.shrink_memory_arena),
             horizontal=state.horizontal,
             engine=state.engine_name,

@@ -37,8 +37,7 @@ def train_step(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tenso
     feeds = _feeds(state, engine, inputs)
     scaler = state.options.mixed_precision.loss_scaler if engine.loss_scale_input else None
     if scaler is not None:  # constant over an accumulation cycle: the scaler moves only at updates
-        scale = torch.tensor(scaler.loss_scale, dtype=torch.float32, device=engine.params.device)
-        feeds[engine.loss_scale_input] = scale
+        feeds[engine.loss_scale_input] = _loss_scale_feed(engine, scaler.loss_scale)
     # This step's Dropout masks: a function of (seed, rank, step) only. Horizontal (Megatron) sessions keep
     # ORT's own generator: their replicated regions would need one seed per data-parallel group.
     if getattr(engine.session, "draws_randomness", False):
@@ -80,6 +79,19 @@ def _feeds(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tensor]) 
     feeds = {n: t for n, t in zip(names, inputs, strict=True) if n not in engine.unused_inputs}
     check_labels(engine.label_specs, feeds)
     return feeds
+
+
+def _loss_scale_feed(engine: Engine, scale: float) -> torch.Tensor:
+    """The 0-d float32 tensor that feeds the graph's loss-scale input, on the device, filled again only when the
+    scale changed: a tensor made from a Python float each step would be a host-to-device copy that waits for
+    the device (a fill is a kernel launch, ordered with the runs on the same stream)."""
+    if engine.loss_scale_feed is None:
+        engine.loss_scale_feed = (math.nan, torch.empty((), dtype=torch.float32, device=engine.params.device))
+    value, tensor = engine.loss_scale_feed
+    if value != scale:
+        tensor.fill_(scale)
+        engine.loss_scale_feed = (scale, tensor)
+    return tensor
 
 
 def _current_lr(state: TrainerState) -> float:

@@ -12,7 +12,8 @@
 * ``_gradient_fixes``: work-arounds for ONNX Runtime gradient-builder bugs that gave wrong gradients.
 * ``_embedding``, ``_no_gradient``, ``_label_smoothing``: the backward torch would run where the exported
   forward alone does not say it (padding rows, ``detach``/``no_grad``, label smoothing), or a clear refusal.
-* ``_mixed_precision`` / ``_fp16_support``: the fp16/bf16 graph and which ops a provider runs in it.
+* ``_mixed_precision`` / ``_fp16_support``: the onnxblock engine's fp16 graph, and which ops a provider runs in
+  float16 or bfloat16 (both engines).
 * ``rewrites``: CPU speed rewrites that keep the math (each tested against PyTorch's gradients).
 * ``autograd``: the autograd engine's graphs: PyTorch's own forward/backward exported for stock onnxruntime.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from ._export import export_torch_model, onnx_model_parameters
 from ._forward import bind_forward_inputs, eval_outputs, model_input_names
-from ._fp16_support import model_op_types, provider_fp16_support
+from ._fp16_support import model_op_types, provider_fp16_support, provider_low_precision_support
 from ._gradient_fixes import expand_where_inputs, forget_unnamed_dims
 from ._mixed_precision import convert_to_mixed_precision, strip_loss_scaling
 from ._names import KeyMatcher, canonical_name, outer_module
@@ -54,6 +55,7 @@ __all__ = [
     "onnx_model_parameters",
     "outer_module",
     "provider_fp16_support",
+    "provider_low_precision_support",
     "shells_to_inputs",
     "strip_batchnorm_statistics",
     "strip_data",

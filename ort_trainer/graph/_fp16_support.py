@@ -1,4 +1,4 @@
-"""Which ops an execution provider really runs in float16: asked of ONNX Runtime, never hard-coded.
+"""Which ops an execution provider really runs in float16 (or bfloat16): asked of ONNX Runtime, never hard-coded.
 
 Two sources, best first:
 
@@ -17,7 +17,9 @@ Two sources, best first:
    For a non-CPU provider list, ``session.disable_cpu_ep_fallback=1`` additionally makes a node that
    would fall back to the CPU EP fail the probe.
 
-Results are cached in-process per (providers, domain, op, opset). An op that cannot be probed (no ONNX
+The same questions for bfloat16 (``elem_type=TensorProto.BFLOAT16``: the autograd engine's bf16 autocast) bind
+the type parameters to ``tensor(bfloat16)`` instead. Results are cached in-process per (providers, element type,
+domain, op, opset). An op that cannot be probed (no ONNX
 schema, e.g. ``com.microsoft`` ops without a kernel registry; inputs that are not plain tensors) is
 reported unsupported: a wrong "no" only costs speed, a wrong "yes" would make the graph fail or run
 through hidden casts. ``fp16_support_reasons`` says why each answer was given.
@@ -42,12 +44,14 @@ __all__ = [
     "model_op_types",
     "probe_model",
     "provider_fp16_support",
+    "provider_low_precision_support",
     "schema_for",
 ]
 
 OpKey = tuple[str, str, int]  # (domain, op_type, opset)
 
 _FP16 = "tensor(float16)"
+_TYPE_STRS = {TensorProto.FLOAT16: _FP16, TensorProto.BFLOAT16: "tensor(bfloat16)"}
 _OPTIONAL = onnx.defs.OpSchema.FormalParameterOption.Optional
 # Not kernels: ORT turns these into initializers / graph structure before partitioning.
 _ALWAYS_SUPPORTED = {("", "Constant")}
@@ -87,14 +91,23 @@ def provider_fp16_support(providers: Sequence, op_types: Iterable[OpKey]) -> dic
     ``InferenceSession``; ``op_types`` holds ``(domain, op_type, opset)`` triples (see
     `model_op_types`). ``"ai.onnx"`` is read as the default domain ``""``.
     """
+    return provider_low_precision_support(providers, op_types, TensorProto.FLOAT16)
+
+
+def provider_low_precision_support(
+    providers: Sequence, op_types: Iterable[OpKey], elem_type: int
+) -> dict[tuple[str, str], bool]:
+    """`provider_fp16_support` for ``elem_type`` (``TensorProto.FLOAT16`` or ``TensorProto.BFLOAT16``)."""
     key = _providers_key(providers)
-    return {(_domain(d), op): _lookup(key, providers, _domain(d), op, int(v))[0] for d, op, v in op_types}
+    return {(_domain(d), op): _lookup(key, providers, _domain(d), op, int(v), elem_type)[0] for d, op, v in op_types}
 
 
-def fp16_support_reasons(providers: Sequence, op_types: Iterable[OpKey]) -> dict[tuple[str, str], str]:
+def fp16_support_reasons(
+    providers: Sequence, op_types: Iterable[OpKey], elem_type: int = TensorProto.FLOAT16
+) -> dict[tuple[str, str], str]:
     """Why each op was judged (un)supported: for logs and for debugging a surprising answer."""
     key = _providers_key(providers)
-    return {(_domain(d), op): _lookup(key, providers, _domain(d), op, int(v))[1] for d, op, v in op_types}
+    return {(_domain(d), op): _lookup(key, providers, _domain(d), op, int(v), elem_type)[1] for d, op, v in op_types}
 
 
 def model_op_types(model: onnx.ModelProto) -> set[OpKey]:
@@ -131,20 +144,24 @@ def _provider_name(providers: Sequence) -> str:
     return first if isinstance(first, str) else first[0]
 
 
-def _lookup(key: tuple, providers: Sequence, domain: str, op_type: str, opset: int) -> tuple[bool, str]:
-    cache_key = (key, domain, op_type, opset)
+def _lookup(
+    key: tuple, providers: Sequence, domain: str, op_type: str, opset: int, elem_type: int = TensorProto.FLOAT16
+) -> tuple[bool, str]:
+    if elem_type not in _TYPE_STRS:
+        raise ValueError(f"elem_type must be TensorProto.FLOAT16 or TensorProto.BFLOAT16, got {elem_type}")
+    cache_key = (key, elem_type, domain, op_type, opset)
     if cache_key not in _cache:
-        _cache[cache_key] = _decide(providers, domain, op_type, opset)
+        _cache[cache_key] = _decide(providers, domain, op_type, opset, elem_type)
     return _cache[cache_key]
 
 
-def _decide(providers: Sequence, domain: str, op_type: str, opset: int) -> tuple[bool, str]:
+def _decide(providers: Sequence, domain: str, op_type: str, opset: int, elem_type: int) -> tuple[bool, str]:
     if (domain, op_type) in _ALWAYS_SUPPORTED:
         return True, "not a kernel: constant data / graph plumbing"
     registry = _kernel_registry()
     if registry is not None:
-        return _from_registry(registry, _provider_name(providers), domain, op_type, opset)
-    return _probe(providers, domain, op_type, opset)
+        return _from_registry(registry, _provider_name(providers), domain, op_type, opset, elem_type)
+    return _probe(providers, domain, op_type, opset, elem_type)
 
 
 def _kernel_registry():
@@ -160,30 +177,34 @@ def _kernel_registry():
         return None
 
 
-def _from_registry(registry, provider: str, domain: str, op_type: str, opset: int) -> tuple[bool, str]:
-    """A kernel of ``provider`` covering ``opset`` whose float16-computing type parameters allow float16."""
+def _from_registry(
+    registry, provider: str, domain: str, op_type: str, opset: int, elem_type: int = TensorProto.FLOAT16
+) -> tuple[bool, str]:
+    """A kernel of ``provider`` covering ``opset`` whose float16-computing type parameters allow ``elem_type``."""
     schema = schema_for(domain, op_type, opset)
-    wanted = None
+    wanted, low = None, _TYPE_STRS[elem_type]
     if schema is not None:
         outputs = [p.type_str for p in schema.outputs if p.option != _OPTIONAL]
-        wanted = fp16_type_params(schema, [p.type_str for p in schema.inputs], outputs)
+        wanted = fp16_type_params(schema, [p.type_str for p in schema.inputs], outputs, type_str=low)
     for kernel in registry:
         if kernel.provider != provider or kernel.op_name != op_type or _domain(kernel.domain) != domain:
             continue
         start, end = kernel.version_range
         constraints = dict(kernel.type_constraints)
         relevant = [constraints[p] for p in wanted if p in constraints] if wanted else list(constraints.values())
-        if start <= opset <= end and relevant and all(_FP16 in types for types in relevant):
-            return True, f"kernel registry: {provider} registers a float16 kernel (opset {start}-{end})"
-    return False, f"kernel registry: no float16 kernel for opset {opset} on {provider}"
+        if start <= opset <= end and relevant and all(low in types for types in relevant):
+            return True, f"kernel registry: {provider} registers a {low[7:-1]} kernel (opset {start}-{end})"
+    return False, f"kernel registry: no {low[7:-1]} kernel for opset {opset} on {provider}"
 
 
-def _probe(providers: Sequence, domain: str, op_type: str, opset: int) -> tuple[bool, str]:
+def _probe(
+    providers: Sequence, domain: str, op_type: str, opset: int, elem_type: int = TensorProto.FLOAT16
+) -> tuple[bool, str]:
     schema = schema_for(domain, op_type, opset)
     if schema is None:
         return False, "no ONNX schema to build a probe from and no kernel registry in this onnxruntime build"
     try:
-        model = probe_model(schema, domain, opset)
+        model = probe_model(schema, domain, opset, elem_type)
     except Exception as error:  # noqa: BLE001 - a schema we cannot instantiate: answer "no", say why
         return False, f"not probed: {error}"
     options = ort.SessionOptions()
@@ -198,42 +219,49 @@ def _probe(providers: Sequence, domain: str, op_type: str, opset: int) -> tuple[
         try:
             with quiet_native_info_logs():
                 ort.InferenceSession(model.SerializeToString(), options, list(providers))
-        except Exception as error:  # noqa: BLE001 - any refusal means "not runnable in fp16 here"
+        except Exception as error:  # noqa: BLE001 - any refusal means "not runnable in low precision here"
             return False, f"session creation failed: {str(error).splitlines()[0][:300]}"
         resolved = onnx.load(options.optimized_model_filepath)
     ops = [n.op_type for n in resolved.graph.node]
+    kind = _TYPE_STRS[elem_type][7:-1]
     if any(n.name.startswith("InsertedPrecisionFreeCast") for n in resolved.graph.node):
-        return False, "no float16 kernel: ORT inserted float32 casts around the node"
+        return False, f"no {kind} kernel: ORT inserted float32 casts around the node"
     if op_type not in ops:
-        return False, f"node replaced by {ops} (function body / rewrite), not run as a float16 kernel"
-    return True, "probe: float16 node ran as is"
+        return False, f"node replaced by {ops} (function body / rewrite), not run as a {kind} kernel"
+    return True, f"probe: {kind} node ran as is"
 
 
-def probe_model(schema: onnx.defs.OpSchema, domain: str, opset: int) -> onnx.ModelProto:
-    """A one-node model of ``schema`` with every float16-capable type parameter bound to float16."""
+def probe_model(
+    schema: onnx.defs.OpSchema, domain: str, opset: int, elem_type: int = TensorProto.FLOAT16
+) -> onnx.ModelProto:
+    """A one-node model of ``schema`` with every float16-capable type parameter bound to ``elem_type``."""
     attributes = _PROBE_ATTRIBUTES.get(schema.name, {})
     if attributes is None:
         raise ValueError("ops with subgraphs are not probed")
+    if elem_type != TensorProto.FLOAT16:  # the attributes that name a dtype name float16
+        attributes = {k: elem_type if v == TensorProto.FLOAT16 else v for k, v in attributes.items()}
+    low = _TYPE_STRS[elem_type]
     outputs_params = [p for p in schema.outputs if p.option != _OPTIONAL]
     half = fp16_type_params(
         schema,
         [p.type_str for p in schema.inputs],
         [p.type_str for p in outputs_params],
         inputs_too=schema.name in ("Cast", "CastLike"),
+        type_str=low,
     )
     if not half:
-        raise ValueError("the schema allows no float16 tensor")
+        raise ValueError(f"the schema allows no {low[7:-1]} tensor")
     types = {}
     for constraint in schema.type_constraints:
         allowed = list(constraint.allowed_type_strs)
         fallback = next((t for t in _FALLBACK_TYPES if t in allowed), allowed[0])
-        types[constraint.type_param_str] = _FP16 if constraint.type_param_str in half else fallback
+        types[constraint.type_param_str] = low if constraint.type_param_str in half else fallback
     inputs = _probe_values(schema.inputs, types, "x")
     outputs = _probe_values(outputs_params, types, "y")
     node_attributes = {name: _probe_attribute(name, attr) for name, attr in schema.attributes.items() if attr.required}
     node_attributes.update(attributes)
     if schema.name == "ConstantOfShape":
-        node_attributes["value"] = helper.make_tensor("value", TensorProto.FLOAT16, [1], [0.0])
+        node_attributes["value"] = helper.make_tensor("value", elem_type, [1], [0.0])
     node = helper.make_node(schema.name, [v.name for v in inputs], [v.name for v in outputs], domain=domain)
     node.attribute.extend(helper.make_attribute(k, v) for k, v in node_attributes.items())
     graph = helper.make_graph([node], "fp16_probe", inputs, outputs)
@@ -244,7 +272,12 @@ def probe_model(schema: onnx.defs.OpSchema, domain: str, opset: int) -> onnx.Mod
 
 
 def fp16_type_params(
-    schema: onnx.defs.OpSchema, input_params: Sequence[str], output_params: Sequence[str], *, inputs_too: bool = False
+    schema: onnx.defs.OpSchema,
+    input_params: Sequence[str],
+    output_params: Sequence[str],
+    *,
+    inputs_too: bool = False,
+    type_str: str = _FP16,
 ) -> set:
     """The type parameters a node of ``schema`` computes in when it runs in float16.
 
@@ -255,8 +288,9 @@ def fp16_type_params(
     BatchNormInternal rewrite also rejects float16 statistics), LayerNormalization's mean/inv-std.
     ``input_params``/``output_params`` are the type strings of the node's actual inputs/outputs;
     ``inputs_too`` adds the input parameters anyway (Cast: float -> float in float16 is half -> half).
+    ``type_str``: the low-precision type asked about (``"tensor(bfloat16)"`` for bf16).
     """
-    capable = {c.type_param_str for c in schema.type_constraints if _FP16 in c.allowed_type_strs}
+    capable = {c.type_param_str for c in schema.type_constraints if type_str in c.allowed_type_strs}
     first = capable.intersection(output_params[:1])
     if inputs_too or not first:
         return first | capable.intersection(input_params)

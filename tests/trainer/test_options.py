@@ -52,7 +52,7 @@ DEFAULTS = {
         "enable_adasum": False,
     },
     "lr_scheduler": None,
-    "mixed_precision": {"enabled": False, "loss_scaler": None},
+    "mixed_precision": {"enabled": False, "loss_scaler": None, "dtype": "float16"},
     "graph_transformer": {
         "attn_dropout_recompute": False,
         "gelu_recompute": False,

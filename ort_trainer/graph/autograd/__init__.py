@@ -8,6 +8,8 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 
 * ``_decompositions``: the aten decompositions the graphs are traced with, and why each is needed;
 * ``_trace``: `trace_graph`, the joint (training) or forward-only (eval) aten graph of a module + loss;
+* ``_precision``: `Precision`, mixed precision as PyTorch's (traced under ``torch.autocast``, the backward from
+  ``loss * loss_scale``);
 * ``_to_onnx``: `graph_to_onnx`, the dynamo exporter over a traced graph, named inputs and outputs;
 * ``_onnx_passes``: the exported graph made cheaper for ORT to hold and run (`collapse_layout_chains`,
   `fold_zero_scatter_adds`, `fold_one_hot_loss_gradients`, run by `graph_to_onnx`), and the ORT optimizers
@@ -27,6 +29,7 @@ from ._cache import GraphCache, graph_cache_from_env
 from ._decompositions import training_decompositions
 from ._onnx_module import OnnxModule, onnx_model_problems
 from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
+from ._precision import LOSS_SCALE_INPUT, Precision
 from ._quick_key import quick_fingerprint
 from ._random import RandomInput, lift_random_ops
 from ._to_onnx import graph_to_onnx
@@ -37,6 +40,8 @@ __all__ = [
     "GraphCache",
     "GraphNames",
     "OnnxModule",
+    "LOSS_SCALE_INPUT",
+    "Precision",
     "RandomInput",
     "TraceError",
     "TracedGraph",

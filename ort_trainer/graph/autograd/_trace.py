@@ -36,6 +36,7 @@ from ort_trainer.graph._forward import ModelWithLoss, OutputContractError, Outpu
 from ort_trainer.graph._names import outer_module, plain_module
 
 from ._decompositions import training_decompositions
+from ._precision import Precision
 from ._random import RandomInput, lift_random_ops
 
 __all__ = ["GRAD_SUFFIX", "UPDATED_SUFFIX", "GraphNames", "TracedGraph", "constant_buffers", "trace_graph"]
@@ -199,13 +200,17 @@ def trace_graph(
     inputs: Sequence[torch.Tensor],
     *,
     training: bool,
+    precision: Precision | None = None,
 ) -> TracedGraph:
     """Trace ``model`` (+ ``loss_fn``) with its state given as tensors, named by canonical names.
 
     ``trainable`` / ``frozen``: canonical name -> tensor (the trainer's views; only shapes and dtypes are
     read). Buffers that are not float (position ids, ``num_batches_tracked``) are taken from the module.
     ``training``: the joint forward + backward graph in train mode, else the forward in eval mode.
+    ``precision``: float32, or traced under ``torch.autocast`` (mixed precision), with a loss-scale input
+    after the ``model_desc`` inputs when it scales the loss (`Precision`; None: float32).
     """
+    precision = precision or Precision()
     with plain_module(outer_module(model)) as plain, _modes_restored(plain), _dense_embedding_gradients(plain):
         refuse_max_norm(plain)
         wrapper = ModelWithLoss(plain, loss_fn, desc).train(training)
@@ -217,8 +222,18 @@ def trace_graph(
         clash = sorted(set(names) & set(desc.input_names))
         if clash:
             raise ValueError(f"model_desc inputs {clash} have the names of model state; rename the inputs")
-        sample = (*trainable.values(), *frozen.values(), *constants.values(), *inputs)
-        function, result = _graph_function(wrapper, desc, list(trainable), list(frozen), list(constants), training)
+        extra = precision.extra_inputs(training)
+        taken = sorted(set(extra) & (set(names) | set(desc.input_names)))
+        if taken:
+            raise ValueError(
+                f"mixed precision adds the graph input {taken[0]!r} (the loss scale), but the model already has an "
+                "input or state of that name; rename it"
+            )
+        extra_values = [torch.ones((), dtype=torch.float32, device=_device_of(inputs, trainable)) for _ in extra]
+        sample = (*trainable.values(), *frozen.values(), *constants.values(), *inputs, *extra_values)
+        function, result = _graph_function(
+            wrapper, desc, (list(trainable), list(frozen), list(constants)), training, precision
+        )
         what = f"the {'training' if training else 'eval'} graph of {type(plain).__name__}"
         with _explained(what), torch.enable_grad(), _math_attention():
             module = make_fx(function, decomposition_table=training_decompositions(), tracing_mode="fake")(*sample)
@@ -227,7 +242,7 @@ def trace_graph(
     if training:
         outputs += [n + GRAD_SUFFIX for n in result["trained"]]
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    given = [*names, *desc.input_names]
+    given = [*names, *desc.input_names, *extra]
     unused = tuple(
         name
         for name, node in zip(given, placeholders[: len(given)], strict=True)
@@ -257,21 +272,23 @@ def _constant_buffers(plain: torch.nn.Module, known: set[str]) -> dict[str, torc
     return {n: b for n, b in plain.named_buffers() if n not in known}
 
 
-def _graph_function(wrapper, desc: ModelDescription, trainable, frozen, constants, training: bool):
+def _graph_function(wrapper, desc: ModelDescription, state_names, training: bool, precision: Precision):
     """The function make_fx traces, and a dict it fills while tracing (which outputs the graph has)."""
-    counts = (len(trainable), len(frozen), len(constants))
+    trainable, frozen, constants = state_names
+    counts = (len(trainable), len(frozen), len(constants), len(desc.input_names))
     result: dict[str, list[str]] = {"trained": [], "updated": []}
 
     def run(*args):
         params, rest = args[: counts[0]], args[counts[0] :]
         frozen_values, rest = rest[: counts[1]], rest[counts[1] :]
-        constant_values, inputs = rest[: counts[2]], rest[counts[2] :]
+        constant_values, rest = rest[: counts[2]], rest[counts[2] :]
+        inputs, extra = rest[: counts[3]], rest[counts[3] :]
         leaves = [p.detach().requires_grad_(training) for p in params]
         frozen_copies = [t.clone() for t in frozen_values]  # written in place by BatchNorm: returned as outputs
         state = {_PREFIX + n: t for n, t in zip(trainable, leaves, strict=True)}
         state.update({_PREFIX + n: t for n, t in zip(frozen, frozen_copies, strict=True)})
         state.update({_PREFIX + n: t.clone() for n, t in zip(constants, constant_values, strict=True)})
-        with contextlib.nullcontext() if training else torch.no_grad():
+        with contextlib.nullcontext() if training else torch.no_grad(), precision.forward(params):
             outputs = functional_call(wrapper, state, tuple(inputs), strict=False)
         outputs = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
         if len(outputs) != len(desc.output_names):
@@ -280,16 +297,18 @@ def _graph_function(wrapper, desc: ModelDescription, trainable, frozen, constant
                 f"outputs, but model_desc declares {len(desc.output_names)}: {list(desc.output_names)}"
             )
         if not training:
-            return tuple(outputs)
+            return tuple(precision.outputs(outputs))
         loss = outputs[desc.loss_index]
         if not loss.requires_grad:
             raise ValueError(
                 f"the loss does not depend on any trainable parameter {list(trainable)}; check that the loss "
                 "depends on them (and that they are not all frozen)"
             )
+        if extra:  # GradScaler.scale: the backward starts from loss * scale (float32, whatever the loss's dtype)
+            loss = loss.to(torch.float32) * extra[0]
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         result["trained"] = [n for n, g in zip(trainable, grads, strict=True) if g is not None]
-        detached = [o.detach() for o in outputs]
+        detached = [o.detach() for o in precision.outputs(outputs)]
         return (*detached, *[g for g in grads if g is not None], *frozen_copies)  # unchanged ones: `_keep_written`
 
     return run, result
@@ -315,6 +334,10 @@ def _keep_written(module: torch.fx.GraphModule, frozen: list[str]) -> list[str]:
     module.graph.eliminate_dead_code()
     module.recompile()
     return written
+
+
+def _device_of(inputs: Sequence[torch.Tensor], state: Mapping[str, torch.Tensor]) -> torch.device:
+    return next((t.device for t in (*state.values(), *inputs)), torch.device("cpu"))
 
 
 @contextlib.contextmanager
