@@ -79,8 +79,12 @@ def test_onnxblock_only_files_are_left_out_only_where_no_onnxblock_test_is_selec
 def _texts_that_name_tests() -> list[Path]:
     """README.md and every other Markdown and Python file of the repository (not CHANGELOG.md: its entries tell
     history), outside the virtual environments and build outputs."""
-    skip = {".venv", ".venv-onnxblock", ".git", "build", "out"}
-    folders = [p for p in REPO.iterdir() if p.is_dir() and p.name not in skip and not p.name.endswith(".egg-info")]
+    skip = {".git", "build", "out"}
+    folders = [
+        p
+        for p in REPO.iterdir()
+        if p.is_dir() and p.name not in skip and not p.name.startswith(".venv") and not p.name.endswith(".egg-info")
+    ]
     found = [REPO / "README.md", *REPO.glob("*.py")]
     for folder in folders:
         found += [*folder.rglob("*.md"), *folder.rglob("*.py")]
