@@ -13,6 +13,8 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
   `fold_zero_scatter_adds`, `fold_one_hot_loss_gradients`, run by `graph_to_onnx`), and the ORT optimizers
   its sessions leave out (`DISABLED_ORT_OPTIMIZERS`);
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
+* ``_symbolic``: symbolic dims, one graph for every size of the input dims ``model_desc`` names (the symbolic
+  trace's fake inputs, its dim classes, the exporter's ``dynamic_shapes``, random draws sized per batch);
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions;
 * ``_quick_key``: `quick_fingerprint`, the cache's pre-key read off the module without a trace (a resumed
   job starts its first step on the cached graph while the trace that verifies it runs beside it).
@@ -25,14 +27,16 @@ from ._decompositions import training_decompositions
 from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
 from ._quick_key import quick_fingerprint
 from ._random import RandomInput, lift_random_ops
+from ._symbolic import random_shape, signature_shape
 from ._to_onnx import graph_to_onnx
-from ._trace import GraphNames, TracedGraph, TraceError, constant_buffers, trace_graph
+from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, constant_buffers, trace_graph
 
 __all__ = [
     "DISABLED_ORT_OPTIMIZERS",
     "GraphCache",
     "GraphNames",
     "RandomInput",
+    "SymbolicShapesError",
     "TraceError",
     "TracedGraph",
     "collapse_layout_chains",
@@ -42,6 +46,8 @@ __all__ = [
     "graph_to_onnx",
     "lift_random_ops",
     "quick_fingerprint",
+    "random_shape",
+    "signature_shape",
     "trace_graph",
     "training_decompositions",
 ]
