@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import onnx
@@ -34,6 +34,7 @@ from ort_trainer.graph.autograd import (
     GraphNames,
     OnnxModule,
     Precision,
+    SymbolicShapesError,
     TracedGraph,
     TraceError,
     constant_buffers,
@@ -99,6 +100,9 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     first_inputs = dict(zip(desc.input_names, sample_inputs, strict=True))
     cache = graph_cache_from_env(request.graph_cache)
     constants: dict[str, torch.Tensor] = {}
+    # the input dims model_desc names with a string: one graph serves every size of them (graph.autograd._symbolic),
+    # unless the exporter cannot keep them symbolic (then one graph per shape, said once: `_symbolic_or_static`)
+    shapes = _Shapes({n: a for n, a in desc.dynamic_axes().items() if n in desc.input_names})
 
     def build(feeds: Mapping[str, torch.Tensor] | None, training: bool, quick: bool = True) -> AutogradGraphs:
         """The graphs for ``feeds`` (None: the first inputs); ``quick``: a cached graph found by its pre-key may
@@ -107,21 +111,31 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         quick_key = None
         if cache is not None:
             fingerprint = quick_fingerprint(
-                request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training
+                request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training, dynamic=shapes.axes
             )
             quick_key = cache.key(fingerprint, _cache_options(training, precision))
             if quick:
                 state = (trainable, frozen, constants)
-                found = _found_by_pre_key(request, cache, quick_key, inputs, state, training, precision)
+                found = _found_by_pre_key(request, cache, quick_key, inputs, state, training, precision, shapes.axes)
                 if found is not None:
                     return found
-        traced = trace_graph(
-            request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training, precision=precision
+        traced, model, key = shapes.trace_and_export(
+            lambda axes: trace_graph(
+                request.model,
+                request.loss_fn,
+                desc,
+                trainable,
+                frozen,
+                inputs,
+                training=training,
+                precision=precision,
+                dynamic=axes,
+            ),
+            lambda traced: _exported(traced, cache, training, precision),
         )
         for name, value in zip(traced.input_names, traced.sample_args, strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
                 constants.setdefault(name, value.detach().clone())
-        model, key = _exported(traced, cache, training, precision)
         if cache is not None and quick_key is not None and key is not None:
             try:
                 cache.put_alias(quick_key, key)
@@ -195,6 +209,47 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     return engine
 
 
+class _Shapes:
+    """Which input dims the engine's graphs keep symbolic: ``model_desc``'s named dims, until an export cannot keep
+    them (then every later graph is per shape). Each fallback and each dim the model's code makes static is said
+    once, with the reason and the line."""
+
+    def __init__(self, axes: dict[str, dict[int, str]]):
+        self.axes = axes
+        self._told: set[str] = set()
+
+    def trace_and_export(self, trace: Callable, export: Callable) -> tuple[TracedGraph, onnx.ModelProto, str | None]:
+        """``trace(axes)`` then ``export(traced)``; traced again without symbolic dims where the export refuses them."""
+        traced = trace(self.axes)
+        try:
+            model, key = export(traced)
+        except SymbolicShapesError as error:
+            self._tell(
+                "fallback",
+                f"the autograd engine cannot keep the input dims {_named(self.axes)} symbolic for this model "
+                f"({error}); it builds one graph per input shape instead (a new shape costs a trace and an export)",
+            )
+            self.axes = {}
+            traced = trace(self.axes)
+            model, key = export(traced)
+        for dim in traced.specialised:
+            self._tell(
+                dim.name,
+                f"model_desc names the dim {dim.name!r}, but the model's code makes it static (size {dim.size}, at "
+                f"{dim.where}): the autograd engine builds one graph per size of it",
+            )
+        return traced, model, key
+
+    def _tell(self, what: str, message: str) -> None:
+        if what not in self._told:
+            self._told.add(what)
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+
+def _named(axes: Mapping[str, Mapping[int, str]]) -> list[str]:
+    return sorted({label for dims in axes.values() for label in dims.values()})
+
+
 def _note_unused_inputs(unused: Sequence[str]) -> None:
     if unused:
         warnings.warn(
@@ -230,6 +285,7 @@ def _found_by_pre_key(
     state: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]],
     training: bool,
     precision: Precision,
+    dynamic: Mapping[str, Mapping[int, str]],
 ) -> AutogradGraphs | None:
     """The cached graph that pre-key ``quick_key`` led to before, with the trace that verifies it started in a
     thread (`AutogradGraphs.pending`). ``state``: the trainable and frozen tensors, and the constants dict the
@@ -255,7 +311,15 @@ def _found_by_pre_key(
         """True when a trace of the model gives the graph the pre-key found."""
         try:
             traced = trace_graph(
-                request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training, precision=precision
+                request.model,
+                request.loss_fn,
+                desc,
+                trainable,
+                frozen,
+                inputs,
+                training=training,
+                precision=precision,
+                dynamic=dynamic,
             )
         except TraceError as error:
             raise _explained_trace_error(request, error, inputs) from error

@@ -31,7 +31,14 @@ import torch
 from onnx import numpy_helper
 
 from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph.autograd import DISABLED_ORT_OPTIMIZERS, GraphNames, TraceError
+from ort_trainer.graph.autograd import (
+    DISABLED_ORT_OPTIMIZERS,
+    GraphNames,
+    RandomInput,
+    TraceError,
+    random_shape,
+    signature_shape,
+)
 
 from ._dlpack import to_ortvalue
 from ._fork_safety import track
@@ -89,14 +96,12 @@ class _ShapeSession:
         read = set(owner._user_outputs) | {out for _, out in self.updated}
         grad_outputs = {out for _, out in self.grad_names}
         self.out = _OutputBinding(self.session, self.io, device, read - grad_outputs)
-        # the step's random draws (Dropout masks): graph inputs filled before every training run (`fill_random`)
-        self.random = [
-            (spec, torch.empty(spec.shape, dtype=spec.dtype, device=device.torch_device))
-            for spec in names.random_inputs
-            if spec.name in wanted
+        # the step's random draws (Dropout masks): graph inputs filled before every training run (`fill_random`),
+        # sized by the batch where the graph has symbolic dims (made, and bound, when the batch's sizes change)
+        self._device = device.torch_device
+        self.random: list[tuple[RandomInput, torch.Tensor | None]] = [
+            (spec, None) for spec in names.random_inputs if spec.name in wanted
         ]
-        for spec, buffer in self.random:
-            self.io.bind_ortvalue_input(spec.name, to_ortvalue(buffer))
         self._bound_target: str | None = None  # "grads" or "scratch": where the gradient outputs point now
 
     def bind_state(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -106,8 +111,14 @@ class _ShapeSession:
                 self.io.bind_ortvalue_input(name, to_ortvalue(tensor))
         self._bound_target = None
 
-    def fill_random(self, generator: torch.Generator) -> None:
-        for spec, buffer in self.random:
+    def fill_random(self, generator: torch.Generator, sizes: Mapping[str, int]) -> None:
+        """Draw this run's random inputs; ``sizes``: the batch's size of each symbolic dim class."""
+        for index, (spec, buffer) in enumerate(self.random):
+            shape = random_shape(spec.shape, sizes)
+            if buffer is None or tuple(buffer.shape) != shape:
+                buffer = torch.empty(shape, dtype=spec.dtype, device=self._device)
+                self.random[index] = (spec, buffer)
+                self.io.bind_ortvalue_input(spec.name, to_ortvalue(buffer))
             if spec.kind == "normal":
                 buffer.normal_(generator=generator)
             else:
@@ -164,6 +175,7 @@ class AutogradSession:
         self._unused = frozenset(first.names.unused_inputs)  # inputs the first graph does not read: not fed
         # graph inputs the step feeds beside the user's (the loss scale): every graph takes them, whatever the shapes
         self._step_inputs = frozenset(step_inputs)
+        self._dynamic = first.names.dynamic  # input -> {axis: class}: dims one graph serves at every size
         self._first = _first_signature(first)
         self._train[self._first] = _ShapeSession(self, first, training=True)
 
@@ -209,7 +221,7 @@ class AutogradSession:
         while True:  # twice at most: a cached graph that its verifying trace rejects is rebuilt and run again
             shape = self._session_for(self._train, self._signature(inputs), training=True, inputs=inputs)
             draws = self._generator.get_state() if shape.graphs.pending is not None else None
-            shape.fill_random(self._generator)
+            shape.fill_random(self._generator, self._sizes(inputs))
             if reset_grad:
                 shape.bind_gradients(self._grads, "grads")
             else:
@@ -239,8 +251,19 @@ class AutogradSession:
 
     # ---------------------------------------------------------------- internals
     def _signature(self, inputs: Mapping[str, torch.Tensor]) -> tuple:
-        """The graph ``inputs`` need: the name, shape and dtype of each input the first graph reads."""
-        return _signature({n: t for n, t in inputs.items() if n not in self._unused and n not in self._step_inputs})
+        """The graph ``inputs`` need: the name, shape (a symbolic dim by its class) and dtype of each input the
+        first graph reads."""
+        fed = {n: t for n, t in inputs.items() if n not in self._unused and n not in self._step_inputs}
+        return _signature(fed, self._dynamic)
+
+    def _sizes(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """This batch's size of each symbolic dim class (what the random draws are sized by)."""
+        return {
+            label: int(inputs[name].shape[axis])
+            for name, axes in self._dynamic.items()
+            if name in inputs
+            for axis, label in axes.items()
+        }
 
     def _session_for(self, sessions: OrderedDict, signature: tuple, *, training: bool, inputs) -> _ShapeSession:
         found = sessions.get(signature)
@@ -267,6 +290,7 @@ class AutogradSession:
         """The first graph, rebuilt: what was taken from the rejected one (inputs left unfed, idle parameters,
         output dtypes) is taken from it instead; its signature."""
         self._unused = frozenset(graphs.names.unused_inputs)
+        self._dynamic = graphs.names.dynamic
         self._first = _first_signature(graphs)
         if self._adopt is not None:
             self._adopt(graphs)
@@ -345,10 +369,11 @@ class AutogradSession:
         return shape.out.collect(fresh)
 
 
-def _signature(feeds: Mapping[str, torch.Tensor]) -> tuple:
-    """What a graph is specialised on: each fed input's name, shape and dtype."""
-    return tuple((name, tuple(t.shape), t.dtype) for name, t in feeds.items())
+def _signature(feeds: Mapping[str, torch.Tensor], dynamic: Mapping[str, Mapping[int, str]]) -> tuple:
+    """What a graph is specialised on: each fed input's name, shape (symbolic dims by class) and dtype."""
+    return tuple((name, signature_shape(t.shape, dynamic.get(name)), t.dtype) for name, t in feeds.items())
 
 
 def _first_signature(graphs: AutogradGraphs) -> tuple:
-    return _signature({n: t for n, t in graphs.inputs.items() if n not in graphs.names.unused_inputs})
+    feeds = {n: t for n, t in graphs.inputs.items() if n not in graphs.names.unused_inputs}
+    return _signature(feeds, graphs.names.dynamic)

@@ -29,12 +29,15 @@ def _sgd_trainer(model, debug=None, **utils):
     return ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=torch.nn.functional.cross_entropy, options=options)
 
 
-def _trained_loss(hidden=8, batch=4, debug=None, **utils):
+def _trained_loss(hidden=8, batch=4, debug=None, width=6, **utils):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
-    trainer = _sgd_trainer(model, debug, **utils)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
+    desc = {"inputs": [("x", ["batch", width]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
+    options = {"utils": {"engine": "autograd", **utils}, "debug": debug or {}}
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=torch.nn.functional.cross_entropy, options=options)
     g = torch.Generator().manual_seed(1)
-    return float(trainer.train_step(torch.randn(batch, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)))
+    x, label = torch.randn(batch, width, generator=g), torch.randint(0, 3, (batch,), generator=g)
+    return float(trainer.train_step(x, label))
 
 
 def _files(folder):
@@ -58,7 +61,11 @@ def test_the_same_graph_is_loaded_and_any_change_is_a_new_entry(cache_dir, caplo
     assert "graph cache: training graph found by the model's pre-key" in caplog.text and len(_files(cache_dir)) == 1
     assert "rebuilding" not in caplog.text
     _trained_loss(hidden=9)  # another model structure
-    _trained_loss(batch=5)  # another input shape
+    assert len(_files(cache_dir)) == 2
+    caplog.clear()
+    _trained_loss(batch=5)  # another size of the named dim "batch": the same symbolic graph, found by its pre-key
+    assert len(_files(cache_dir)) == 2 and "found by the model's pre-key" in caplog.text
+    _trained_loss(batch=5, width=7)  # another size of a dim model_desc fixes: a new entry
     assert len(_files(cache_dir)) == 3
 
 

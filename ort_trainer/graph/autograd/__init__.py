@@ -18,6 +18,8 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
   parameters under their ONNX names), so that the same trace trains it; `onnx_model_problems` names what has no
   route; ``_onnx_ops`` / ``_onnx_nn_ops``: its standard ops as torch ops, over ``_onnx_node``'s `OnnxNode`;
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
+* ``_symbolic``: symbolic dims, one graph for every size of the input dims ``model_desc`` names (the symbolic
+  trace's fake inputs, its dim classes, the exporter's ``dynamic_shapes``, random draws sized per batch);
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions;
 * ``_quick_key``: `quick_fingerprint`, the cache's pre-key read off the module without a trace (a resumed
   job starts its first step on the cached graph while the trace that verifies it runs beside it).
@@ -32,8 +34,9 @@ from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_
 from ._precision import LOSS_SCALE_INPUT, Precision
 from ._quick_key import quick_fingerprint
 from ._random import RandomInput, lift_random_ops
+from ._symbolic import random_shape, signature_shape
 from ._to_onnx import graph_to_onnx
-from ._trace import GraphNames, TracedGraph, TraceError, constant_buffers, trace_graph
+from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, constant_buffers, trace_graph
 
 __all__ = [
     "DISABLED_ORT_OPTIMIZERS",
@@ -43,6 +46,7 @@ __all__ = [
     "LOSS_SCALE_INPUT",
     "Precision",
     "RandomInput",
+    "SymbolicShapesError",
     "TraceError",
     "TracedGraph",
     "collapse_layout_chains",
@@ -53,6 +57,8 @@ __all__ = [
     "lift_random_ops",
     "onnx_model_problems",
     "quick_fingerprint",
+    "random_shape",
+    "signature_shape",
     "trace_graph",
     "training_decompositions",
 ]

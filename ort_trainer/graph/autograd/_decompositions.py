@@ -34,6 +34,9 @@ def training_decompositions() -> dict:
                 _aten._native_batch_norm_legit,
                 _aten._native_batch_norm_legit_no_training,
                 _aten.native_batch_norm_backward,
+                # a symbolic trace reaches Dropout as native_dropout (a fake-mode trace as bernoulli): as rand_like,
+                # its draw is lifted into an input like every other (`_random`), not left to ONNX's own Dropout
+                _aten.native_dropout,
             ]
         )
     )

@@ -29,6 +29,8 @@ import torch
 from ort_trainer.config.model_desc import ModelDescription
 from ort_trainer.graph._names import outer_module
 
+from ._symbolic import signature_shape
+
 __all__ = ["quick_fingerprint"]
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -44,14 +46,18 @@ def quick_fingerprint(
     inputs: Sequence[torch.Tensor],
     *,
     training: bool,
+    dynamic: Mapping[str, Mapping[int, str]] | None = None,
 ) -> str:
-    """sha256 of what can be read off ``model`` (+ ``loss_fn``) and the inputs without tracing them."""
+    """sha256 of what can be read off ``model`` (+ ``loss_fn``) and the inputs without tracing them. ``dynamic``:
+    the symbolic input dims (`trace_graph`'s), which count by name, not by size."""
     digest = hashlib.sha256(b"quick-v1")
     root = outer_module(model)
     digest.update(repr((training, torch.get_default_dtype(), desc.input_names, desc.output_names)).encode())
     digest.update(repr([(n, _tensor_spec(t)) for n, t in trainable.items()]).encode())
     digest.update(repr([(n, _tensor_spec(t)) for n, t in frozen.items()]).encode())
-    digest.update(repr([_tensor_spec(t) for t in inputs]).encode())
+    axes = dynamic or {}
+    specs = [_tensor_spec(t, axes.get(n)) for n, t in zip(desc.input_names, inputs, strict=True)]
+    digest.update(repr(specs).encode())
     known = set(trainable) | set(frozen)
     for name, module in root.named_modules(remove_duplicate=False):
         digest.update(_module_text(name, module).encode())
@@ -75,8 +81,8 @@ def quick_fingerprint(
     return digest.hexdigest()
 
 
-def _tensor_spec(tensor: torch.Tensor) -> tuple:
-    return tuple(tensor.shape), str(tensor.dtype), tensor.device.type, bool(tensor.requires_grad)
+def _tensor_spec(tensor: torch.Tensor, axes: Mapping[int, str] | None = None) -> tuple:
+    return signature_shape(tensor.shape, axes), str(tensor.dtype), tensor.device.type, bool(tensor.requires_grad)
 
 
 def _module_text(name: str, module: torch.nn.Module) -> str:

@@ -17,7 +17,9 @@ after them, are eager's own.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,16 +37,19 @@ class RandomInput:
     """A graph input that stands for a random op: filled with ``kind`` ("uniform" or "normal") samples."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]  # a str: an expression of symbolic dim names (`_symbolic.random_shape` sizes it)
     dtype: torch.dtype
     kind: str
     probability: float = 0.0  # kind "keep": the probability that an element is kept (1 - Dropout's p)
     stride: tuple[int, ...] | None = None  # kind "keep": the input's strides (eager fills its mask in memory order)
 
 
-def lift_random_ops(module: torch.fx.GraphModule, *, dropout_masks: bool = False) -> list[RandomInput]:
+def lift_random_ops(
+    module: torch.fx.GraphModule, *, dropout_masks: bool = False, size: Callable[[Any], int | str] = int
+) -> list[RandomInput]:
     """Replace the random ops of ``module`` by new trailing placeholders, in place; what each one needs, in the
-    order the graph draws them. ``dropout_masks``: ``native_dropout`` becomes a keep-mask input too."""
+    order the graph draws them. ``dropout_masks``: ``native_dropout`` becomes a keep-mask input too. ``size``
+    writes a traced size down (a symbolic trace's: an int or an expression of dim names, `_symbolic`)."""
     graph = module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     last = placeholders[-1] if placeholders else None
@@ -66,7 +71,7 @@ def lift_random_ops(module: torch.fx.GraphModule, *, dropout_masks: bool = False
         elif target in _UNIFORM or target in _NORMAL or target in _BERNOULLI:
             value = node.meta["val"]
             kind = "normal" if target in _NORMAL else "uniform"
-            spec = RandomInput(f"random.{len(lifted)}", tuple(int(d) for d in value.shape), value.dtype, kind)
+            spec = RandomInput(f"random.{len(lifted)}", tuple(size(d) for d in value.shape), value.dtype, kind)
             with graph.inserting_after(last) if last is not None else graph.inserting_before(None):
                 sample = graph.placeholder(spec.name.replace(".", "_"))  # a Python identifier; ONNX keeps spec.name
             last = sample

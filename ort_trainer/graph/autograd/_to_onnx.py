@@ -27,7 +27,7 @@ from ._onnx_passes import (
     fold_one_hot_loss_gradients,
     fold_zero_scatter_adds,
 )
-from ._trace import TracedGraph, TraceError
+from ._trace import SymbolicShapesError, TracedGraph, TraceError
 
 __all__ = ["graph_to_onnx"]
 
@@ -47,6 +47,8 @@ def graph_to_onnx(traced: TracedGraph) -> onnx.ModelProto:
         try:
             program = _export(traced)
         except Exception as error:  # noqa: BLE001 - the exporter's errors are long; name the op and the way out
+            if traced.symbolic is not None and traced.dynamic:
+                raise SymbolicShapesError(f"{type(error).__name__}: {_first_line(error)}") from error
             ops = sorted(set(re.findall(r"OpOverload\(op='([^']+)'", _all_messages(error))))
             what = (
                 f"no ONNX translation for {', '.join(ops)}" if ops else f"{type(error).__name__}: {_first_line(error)}"
@@ -60,11 +62,33 @@ def graph_to_onnx(traced: TracedGraph) -> onnx.ModelProto:
         _optimize(program)  # its passes log too (onnx_ir: a folded constant that is a graph output)
     model = program.model_proto
     _check_names(model, traced)
+    _name_symbolic_dims(model, traced)
     collapse_layout_chains(model)
     fold_zero_scatter_adds(model)
     fold_one_hot_loss_gradients(model)
     drop_unread_initializers(model)
     return model
+
+
+def _name_symbolic_dims(model: onnx.ModelProto, traced: TracedGraph) -> None:
+    """The exporter names a symbolic dim after torch's symbol (``s51``); name it after its class, as ``model_desc``
+    does (``batch``), wherever it appears: inputs, outputs and the inferred shapes between them."""
+    inputs = {i.name: i for i in model.graph.input}
+    names: dict[str, str] = {}
+    for name, axes in traced.dynamic.items():
+        value = inputs.get(name)
+        if value is None:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        for axis, label in axes.items():
+            if axis < len(dims) and dims[axis].dim_param:
+                names.setdefault(dims[axis].dim_param, label)
+    if not names:
+        return
+    for value in (*model.graph.input, *model.graph.output, *model.graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
 
 
 def _export(traced: TracedGraph):
@@ -75,12 +99,14 @@ def _export(traced: TracedGraph):
     argument. Where that entry point is not there (another torch), the public call runs.
     """
     core, registry = _exporter_core()
+    dynamic_shapes = traced.dynamic_shapes()
     if core is None:
         return torch.onnx.export(
             traced.module,
             traced.sample_args,
             input_names=traced.input_names,
             output_names=traced.output_names,
+            dynamic_shapes=dynamic_shapes,
             dynamo=True,
             optimize=False,
             verbose=False,
@@ -90,6 +116,7 @@ def _export(traced: TracedGraph):
         traced.module,
         traced.sample_args,
         registry=registry,
+        dynamic_shapes=dynamic_shapes,
         input_names=traced.input_names,
         output_names=traced.output_names,
         optimize=False,

@@ -38,8 +38,18 @@ from ort_trainer.graph._names import outer_module, plain_module
 from ._decompositions import training_decompositions
 from ._precision import Precision
 from ._random import RandomInput, lift_random_ops
+from ._symbolic import DynamicAxes, Specialised, SymbolicTrace, random_shape, signature_shape
 
-__all__ = ["GRAD_SUFFIX", "UPDATED_SUFFIX", "GraphNames", "TracedGraph", "constant_buffers", "trace_graph"]
+__all__ = [
+    "GRAD_SUFFIX",
+    "UPDATED_SUFFIX",
+    "GraphNames",
+    "SymbolicShapesError",
+    "TraceError",
+    "TracedGraph",
+    "constant_buffers",
+    "trace_graph",
+]
 
 GRAD_SUFFIX = "_grad"  # output "<param>_grad": the parameter's gradient
 UPDATED_SUFFIX = "_updated"  # output "<buffer>_updated": a float buffer's value after the forward
@@ -61,6 +71,7 @@ class GraphNames:
     unused_inputs: tuple[str, ...] = ()
     state_count: int = 0
     random_inputs: list[RandomInput] = field(default_factory=list)
+    dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: dim class}: symbolic dims
 
     def to_json(self) -> str:
         randoms = [
@@ -76,6 +87,7 @@ class GraphNames:
             "unused": list(self.unused_inputs),
             "state_count": self.state_count,
             "random": randoms,
+            "dynamic": self.dynamic,
         }
         return json.dumps(fields)
 
@@ -97,6 +109,7 @@ class GraphNames:
                 unused_inputs=tuple(str(n) for n in data["unused"]),
                 state_count=int(data["state_count"]),
                 random_inputs=randoms,
+                dynamic={str(n): {int(a): str(d) for a, d in axes.items()} for n, axes in data["dynamic"].items()},
             )
         except (ValueError, TypeError, KeyError, AttributeError) as error:
             raise ValueError(f"not the names of a cached graph ({type(error).__name__}: {error})") from None
@@ -119,6 +132,9 @@ class TracedGraph:
     unused_inputs: tuple[str, ...] = ()  # model_desc inputs the graph never reads
     state_count: int = 0  # the first `state_count` inputs are state, then the model_desc inputs
     random_inputs: list[RandomInput] = field(default_factory=list)  # last inputs: the step's random draws
+    symbolic: SymbolicTrace | None = None  # the named input dims traced as symbols (None: every size static)
+    dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: class}: dims left symbolic
+    specialised: list[Specialised] = field(default_factory=list)  # named dims the model's code made static
     _pending: tuple | None = None  # what `finish` still has to do: (description, frozen names, training)
 
     def finish(self) -> None:
@@ -130,17 +146,29 @@ class TracedGraph:
         if self._pending is None:
             return
         what, frozen, training = self._pending
+        symbolic = SymbolicTrace(self.symbolic.axes) if self.symbolic is not None else None
         with _explained(what):
             functional = torch.func.functionalize(self.module, remove="mutations")
-            module = make_fx(functional, decomposition_table=training_decompositions(), tracing_mode="fake")(
-                *self.sample_args
-            )
+            args = symbolic.fake(self.input_names, self.sample_args) if symbolic is not None else self.sample_args
+            mode = "symbolic" if symbolic is not None else "fake"
+            module = make_fx(functional, decomposition_table=training_decompositions(), tracing_mode=mode)(*args)
         if training:
             self.updated = _keep_written(module, frozen)
             self.output_names += [n + UPDATED_SUFFIX for n in self.updated]
-            self.random_inputs = lift_random_ops(module)
+            try:
+                self.random_inputs = lift_random_ops(module, size=symbolic.expression if symbolic else int)
+            except ValueError as error:
+                if symbolic is None:
+                    raise
+                raise SymbolicShapesError(str(error)) from error
+        if symbolic is not None:
+            self.symbolic = symbolic
+            self.dynamic, self.specialised = symbolic.classes()
         device = self.sample_args[0].device if self.sample_args else torch.device("cpu")
-        draws = tuple(torch.rand(r.shape, dtype=r.dtype, device=device) for r in self.random_inputs)
+        sizes = self.sample_sizes()
+        draws = tuple(
+            torch.rand(random_shape(r.shape, sizes), dtype=r.dtype, device=device) for r in self.random_inputs
+        )
         self.module, self._pending = module, None
         self.input_names = self.input_names + [r.name for r in self.random_inputs]
         self.sample_args = self.sample_args + draws
@@ -156,7 +184,35 @@ class TracedGraph:
             unused_inputs=tuple(self.unused_inputs),
             state_count=self.state_count,
             random_inputs=list(self.random_inputs),
+            dynamic={n: dict(a) for n, a in self.dynamic.items()},
         )
+
+    def sample_sizes(self) -> dict[str, int]:
+        """Each symbolic dim class's size in the traced sample (what the sample's random draws are sized by)."""
+        given = dict(zip(self.input_names, self.sample_args, strict=False))
+        return {label: int(given[n].shape[a]) for n, axes in self.dynamic.items() for a, label in axes.items()}
+
+    def dynamic_shapes(self) -> tuple | None:
+        """The exporter's ``dynamic_shapes`` for the finished graph: a ``torch.export.Dim`` per symbolic class on
+        every input dim of that class (random draws included); None when every dim is static. ValueError when a
+        random draw's dim is an expression of several classes (the exporter takes single dims)."""
+        if not self.dynamic or self.symbolic is None:
+            return None
+        dims = self.symbolic.export_dims()
+        randoms = {r.name: r for r in self.random_inputs}
+        spec = []
+        for name in self.input_names:
+            if name in self.dynamic:
+                spec.append({axis: dims[label] for axis, label in self.dynamic[name].items()})
+            elif name in randoms:
+                axes = {axis: dims.get(dim) for axis, dim in enumerate(randoms[name].shape) if isinstance(dim, str)}
+                unknown = [randoms[name].shape[axis] for axis, dim in axes.items() if dim is None]
+                if unknown:
+                    raise ValueError(f"the random draw {name} has dims {unknown} that are not single input dims")
+                spec.append(axes or None)
+            else:
+                spec.append(None)
+        return tuple(spec)
 
     def metadata(self) -> str:
         """What a cached graph needs beside the ONNX model to be bound: JSON (`apply_metadata`)."""
@@ -167,6 +223,7 @@ class TracedGraph:
         names = GraphNames.from_json(text)
         self.output_names, self.updated, self.input_names = names.output_names, names.updated, names.input_names
         self.random_inputs = names.random_inputs
+        self.dynamic = names.dynamic
         self._pending = None
 
     def fingerprint(self) -> str:
@@ -174,8 +231,10 @@ class TracedGraph:
         and the values of tensor constants baked into the graph."""
         digest = hashlib.sha256(self.module.code.encode())
         digest.update(repr((self.input_names, self.output_names)).encode())
-        for arg in self.sample_args:
-            digest.update(repr((tuple(arg.shape), str(arg.dtype))).encode())
+        axes = self.symbolic.axes if self.symbolic is not None else {}
+        digest.update(repr(sorted((n, sorted(a.items())) for n, a in axes.items())).encode())
+        for name, arg in zip(self.input_names, self.sample_args, strict=False):
+            digest.update(repr((signature_shape(arg.shape, axes.get(name)), str(arg.dtype))).encode())
         for name, buffer in sorted(self.module.named_buffers()):
             digest.update(name.encode())
             digest.update(buffer.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -191,6 +250,11 @@ class TraceError(ValueError):
     """The module could not be traced into one graph (data-dependent control flow, an untraceable op...)."""
 
 
+class SymbolicShapesError(TraceError):
+    """The graph traced with symbolic dims could not be exported with them (the exporter found a constraint on
+    the dims the trace did not, or a random draw's dim is an expression of several): trace it per shape."""
+
+
 def trace_graph(
     model: torch.nn.Module,
     loss_fn: Callable | None,
@@ -201,6 +265,7 @@ def trace_graph(
     *,
     training: bool,
     precision: Precision | None = None,
+    dynamic: DynamicAxes | None = None,
 ) -> TracedGraph:
     """Trace ``model`` (+ ``loss_fn``) with its state given as tensors, named by canonical names.
 
@@ -209,8 +274,15 @@ def trace_graph(
     ``training``: the joint forward + backward graph in train mode, else the forward in eval mode.
     ``precision``: float32, or traced under ``torch.autocast`` (mixed precision), with a loss-scale input
     after the ``model_desc`` inputs when it scales the loss (`Precision`; None: float32).
+    ``dynamic``: ``{input: {axis: dim name}}``, the input dims traced as symbols (`_symbolic`); None or empty:
+    a graph for these inputs' sizes only.
     """
     precision = precision or Precision()
+    axes = {n: dict(a) for n, a in (dynamic or {}).items() if n in desc.input_names and a}
+    symbolic = SymbolicTrace(axes) if axes else None
+    if symbolic is not None:
+        given = symbolic.sample(axes, dict(zip(desc.input_names, inputs, strict=True)))
+        inputs = [given[n] for n in desc.input_names]
     with plain_module(outer_module(model)) as plain, _modes_restored(plain), _dense_embedding_gradients(plain):
         refuse_max_norm(plain)
         wrapper = ModelWithLoss(plain, loss_fn, desc).train(training)
@@ -236,7 +308,9 @@ def trace_graph(
         )
         what = f"the {'training' if training else 'eval'} graph of {type(plain).__name__}"
         with _explained(what), torch.enable_grad(), _math_attention():
-            module = make_fx(function, decomposition_table=training_decompositions(), tracing_mode="fake")(*sample)
+            args = symbolic.fake([*names, *desc.input_names, *extra], sample) if symbolic is not None else sample
+            mode = "symbolic" if symbolic is not None else "fake"
+            module = make_fx(function, decomposition_table=training_decompositions(), tracing_mode=mode)(*args)
     _refuse_parameter_writes(module, list(trainable))
     outputs = list(desc.output_names)
     if training:
@@ -257,6 +331,7 @@ def trace_graph(
         idle=[n for n in trainable if n not in result["trained"]],
         unused_inputs=unused,
         state_count=len(names),
+        symbolic=symbolic,
         _pending=(what, list(frozen), training),
     )
 
