@@ -133,7 +133,8 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
             ),
             lambda traced: _exported(traced, cache, training, precision),
         )
-        for name, value in zip(traced.input_names, traced.sample_args, strict=True):
+        count = traced.state_count  # the state comes first (a cached graph's names then list its random inputs too)
+        for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
                 constants.setdefault(name, value.detach().clone())
         if cache is not None and quick_key is not None and key is not None:

@@ -34,7 +34,8 @@ def _trained_loss(hidden=8, batch=4, debug=None, width=6, **utils):
     model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
     desc = {"inputs": [("x", ["batch", width]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
     options = {"utils": {"engine": "autograd", **utils}, "debug": debug or {}}
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=torch.nn.functional.cross_entropy, options=options)
+    loss_fn = torch.nn.functional.cross_entropy
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=loss_fn, options=options)
     g = torch.Generator().manual_seed(1)
     x, label = torch.randn(batch, width, generator=g), torch.randint(0, 3, (batch,), generator=g)
     return float(trainer.train_step(x, label))
