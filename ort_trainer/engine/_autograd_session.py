@@ -20,6 +20,7 @@ The eval graph is built on the first eval step (or ``save_as_onnx``).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -36,6 +37,7 @@ from ort_trainer.graph.autograd import (
     GraphNames,
     RandomInput,
     TraceError,
+    broken_guard,
     random_shape,
     signature_shape,
 )
@@ -176,6 +178,10 @@ class AutogradSession:
         # graph inputs the step feeds beside the user's (the loss scale): every graph takes them, whatever the shapes
         self._step_inputs = frozenset(step_inputs)
         self._dynamic = first.names.dynamic  # input -> {axis: class}: dims one graph serves at every size
+        # what the symbolic graphs assume of those dims (an `if` on a size): a batch that breaks it gets its own graph
+        self._guards: list[tuple[str, str]] = list(first.names.guards)
+        self._holds: dict[tuple, bool] = {}  # sizes -> whether every guard holds (shapes recur: checked once each)
+        self._told_guards: set[str] = set()
         self._first = _first_signature(first)
         self._train[self._first] = _ShapeSession(self, first, training=True)
 
@@ -254,7 +260,28 @@ class AutogradSession:
         """The graph ``inputs`` need: the name, shape (a symbolic dim by its class) and dtype of each input the
         first graph reads."""
         fed = {n: t for n, t in inputs.items() if n not in self._unused and n not in self._step_inputs}
-        return _signature(fed, self._dynamic)
+        return _signature(fed, self._dynamic if self._guards_hold(inputs) else {})
+
+    def _guards_hold(self, inputs: Mapping[str, torch.Tensor]) -> bool:
+        """Whether this batch's sizes keep what the symbolic graphs assumed (``graph.autograd.broken_guard``); a
+        batch that breaks it is keyed by its concrete shape, so it gets a graph of its own (said once a guard)."""
+        if not self._guards:
+            return True
+        sizes = self._sizes(inputs)
+        key = tuple(sorted(sizes.items()))
+        held = self._holds.get(key)
+        if held is None:
+            broken = broken_guard(self._guards, sizes)
+            held = self._holds[key] = broken is None
+            if broken is not None and broken[0] not in self._told_guards:
+                self._told_guards.add(broken[0])
+                warnings.warn(
+                    f"the model's code assumes {broken[0]} of its symbolic input dims (at {broken[1]}), which the "
+                    f"batch sizes {dict(sizes)} break: the autograd engine builds a graph for this shape",
+                    UserWarning,
+                    stacklevel=6,
+                )
+        return held
 
     def _sizes(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
         """This batch's size of each symbolic dim class (what the random draws are sized by)."""
@@ -281,6 +308,10 @@ class AutogradSession:
         progress.close()
         if training and signature == self._first:  # the first graph again, after a trace rejected the cached one
             signature = self._adopt_first(graphs)
+        new_guards = [g for g in graphs.names.guards if g not in self._guards]
+        if new_guards:  # an eval graph's own assumptions count too
+            self._guards += new_guards
+            self._holds.clear()
         sessions[signature] = found
         while len(sessions) > self._max_shapes:
             sessions.popitem(last=False)
@@ -291,6 +322,7 @@ class AutogradSession:
         output dtypes) is taken from it instead; its signature."""
         self._unused = frozenset(graphs.names.unused_inputs)
         self._dynamic = graphs.names.dynamic
+        self._guards, self._holds = list(graphs.names.guards), {}
         self._first = _first_signature(graphs)
         if self._adopt is not None:
             self._adopt(graphs)

@@ -62,5 +62,17 @@ def tensor_inputs(inputs: Mapping[str, Any], num_items: Any) -> dict[str, torch.
 
 
 def describe_inputs(feeds: Mapping[str, torch.Tensor]) -> list[tuple[str, list]]:
-    """``model_desc`` inputs: every dimension dynamic, named after its input (``input_ids.0``, ...)."""
-    return [(name, [f"{name}.{i}" for i in range(t.dim())]) for name, t in feeds.items()]
+    """``model_desc`` inputs, every dim symbolic: the first one of each input is ``batch`` and the second one of a
+    token input (integer or bool, 2-D or more: ids, masks, token labels) ``seq``, shared by every input, as a
+    collator pads them; any other dim is named after its input (``pixel_values.2``) and joins another only where
+    the model's ops equate them. A dim the model makes static (image channels) is then static in the graph."""
+    described = []
+    for name, tensor in feeds.items():
+        token = not tensor.is_floating_point() and tensor.dim() >= 2
+        dims = [f"{name}.{i}" for i in range(tensor.dim())]
+        if dims:
+            dims[0] = "batch"
+        if token:
+            dims[1] = "seq"
+        described.append((name, dims))
+    return described

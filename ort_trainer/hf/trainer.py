@@ -127,6 +127,8 @@ class Trainer(transformers.Trainer):
         ort.optim_config.lr = self._optimizer_view().learning_rate()  # HF's scheduler set it for this update
         with warnings.catch_warnings():  # a compute_loss that ignores num_items_in_batch is fine
             warnings.filterwarnings("ignore", message=rf"model_desc inputs \['{NUM_ITEMS}'\] are not used")
+            # the dims this trainer names itself (describe_inputs): one the model makes static is no news to the user
+            warnings.filterwarnings("ignore", message=r"model_desc names the dim '[^']*\.\d+'")
             loss = ort.train_step(**feeds)
         return loss.detach() / accumulation
 

@@ -368,3 +368,20 @@ def test_a_rejected_graph_s_inputs_idle_parameters_and_gradients_follow_the_rebu
     assert changed[:2] == fresh[:2]
     for name, value in fresh[2].items():
         torch.testing.assert_close(changed[2][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_every_exporter_package_version_is_part_of_the_key(monkeypatch):
+    """A new onnx-ir (the exporter's IR and optimizer passes) can change an exported graph: its version is in the key,
+    as torch's, onnxscript's and onnx's are."""
+    from importlib import metadata
+
+    from ort_trainer.graph.autograd import _cache
+
+    real = metadata.version
+    keys = {}
+    for package in ("torch", "onnxscript", "onnx-ir", "onnx", "onnxruntime"):
+        monkeypatch.setattr(_cache.metadata, "version", lambda name, p=package: "0.0.0" if name == p else real(name))
+        keys[package] = GraphCache.key("f" * 64, {"training": True})
+    monkeypatch.setattr(_cache.metadata, "version", real)
+    baseline = GraphCache.key("f" * 64, {"training": True})
+    assert all(key != baseline for key in keys.values()), keys

@@ -34,7 +34,7 @@ from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_
 from ._precision import LOSS_SCALE_INPUT, Precision
 from ._quick_key import quick_fingerprint
 from ._random import RandomInput, lift_random_ops
-from ._symbolic import random_shape, signature_shape
+from ._symbolic import broken_guard, random_shape, signature_shape
 from ._to_onnx import graph_to_onnx
 from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, constant_buffers, trace_graph
 
@@ -49,6 +49,7 @@ __all__ = [
     "SymbolicShapesError",
     "TraceError",
     "TracedGraph",
+    "broken_guard",
     "collapse_layout_chains",
     "constant_buffers",
     "fold_zero_scatter_adds",

@@ -32,7 +32,11 @@ __all__ = ["GraphCache", "graph_cache_from_env"]
 _log = logging.getLogger("ort_trainer")
 _SUFFIX = ".onnx"
 _ALIAS = ".alias"  # a pre-key's file: the full key its graph was last verified under (`GraphCache.alias`)
-_VERSIONED = ("torch", "onnxscript", "onnx", "onnxruntime", "onnxruntime-training", "onnxruntime-gpu", "ort_trainer")
+# every package whose release can change an exported graph: the exporter is torch's, onnxscript's translations and
+# onnx-ir's passes (its optimizer runs on our graphs: `_to_onnx`)
+_VERSIONED = (
+    "torch", "onnxscript", "onnx-ir", "onnx", "onnxruntime", "onnxruntime-training", "onnxruntime-gpu", "ort_trainer",
+)  # fmt: skip
 
 
 class GraphCache:

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.utils._sympy.numbers import int_oo
 
-__all__ = ["DynamicAxes", "SymbolicTrace", "random_shape", "signature_shape"]
+__all__ = ["DynamicAxes", "Specialised", "SymbolicTrace", "broken_guard", "random_shape", "signature_shape"]
 
 DynamicAxes = Mapping[str, Mapping[int, str]]  # input name -> {axis: dim name}, as `ModelDescription.dynamic_axes`
 
@@ -71,14 +71,19 @@ class SymbolicTrace:
     def fake(self, names: Sequence[str], values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Fake tensors for the trace: the named input dims symbolic, everything else static."""
         fakes = []
+        first: dict[str, torch.SymInt] = {}  # each dim name's first symbol: the same name is the same dim
         for name, value in zip(names, values, strict=True):
             dims = self.axes.get(name, {})
             dynamic = [DimDynamic.DYNAMIC if axis in dims else DimDynamic.STATIC for axis in range(value.dim())]
             context = StatelessSymbolicContext(dynamic_sizes=dynamic)
             fake = self.mode.from_tensor(value, source=LocalSource(name), symbolic_context=context)
-            for axis in dims:
+            for axis, label in dims.items():
                 if axis < value.dim():
-                    self._symbols[(name, axis)] = fake.shape[axis].node.expr
+                    size = fake.shape[axis]
+                    if label in first and value.shape[axis] == first[label].node.hint:
+                        torch._check(size == first[label])  # one symbol from here on (a replacement, no guard)
+                    first.setdefault(label, size)
+                    self._symbols[(name, axis)] = size.node.expr
             fakes.append(fake)
         return fakes
 
@@ -100,6 +105,33 @@ class SymbolicTrace:
             kept.setdefault(input_name, {})[axis] = names.setdefault(canonical, label)
         return kept, specialised
 
+    def guards(self) -> list[tuple[str, str]]:
+        """What the model's code assumed of the symbolic dims beyond their being sizes (``seq > 4`` for an ``if``
+        on a size, ``Mod(seq, 2) == 0``): ``(condition over the class names, where)`` each. A batch whose sizes
+        break one is not run on this graph (`holds`): the session builds one for its shape instead."""
+        env = self.mode.shape_env
+        names = self._names_by_symbol()
+        found = []
+        for guard in env.guards:
+            expr = env.simplify(env.replace(guard.expr))
+            if expr in (sympy.true, True) or not expr.free_symbols:
+                continue
+            if expr.free_symbols - set(names):  # a size that is no input dim: nothing a batch could break
+                continue
+            text = str(expr.xreplace({s: sympy.Symbol(n, integer=True, positive=True) for s, n in names.items()}))
+            where = getattr(guard.sloc, "maybe_user_loc", None) or str(guard.sloc)
+            found.append((text, str(where)))
+        return found
+
+    def _names_by_symbol(self) -> dict[sympy.Symbol, str]:
+        env = self.mode.shape_env
+        by_symbol: dict[sympy.Symbol, str] = {}
+        for (input_name, axis), symbol in self._symbols.items():
+            canonical = env.replace(symbol)
+            if isinstance(canonical, sympy.Symbol):
+                by_symbol.setdefault(canonical, _python_name(self.axes[input_name][axis]))
+        return by_symbol
+
     def expression(self, size: int | torch.SymInt) -> int | str:
         """A traced size as an int or an expression of the class names ("batch", "seq * 4")."""
         if not isinstance(size, torch.SymInt):
@@ -108,11 +140,7 @@ class SymbolicTrace:
         expr = env.replace(size.node.expr)
         if expr.is_number:
             return int(expr)
-        by_symbol = {}
-        for (input_name, axis), symbol in self._symbols.items():
-            canonical = env.replace(symbol)
-            if isinstance(canonical, sympy.Symbol):
-                by_symbol.setdefault(canonical, _python_name(self.axes[input_name][axis]))
+        by_symbol = self._names_by_symbol()
         unknown = expr.free_symbols - set(by_symbol)
         if unknown:
             raise ValueError(
@@ -192,6 +220,19 @@ def random_shape(shape: Sequence[int | str], sizes: Mapping[str, int]) -> tuple[
                 raise ValueError(f"a random input's dim {dim!r} names dims this batch does not give ({sorted(sizes)})")
             out.append(int(value))
     return tuple(out)
+
+
+def broken_guard(guards: Sequence[tuple[str, str]], sizes: Mapping[str, int]) -> tuple[str, str] | None:
+    """The first of a graph's `SymbolicTrace.guards` that a batch of these ``sizes`` (class name -> size) breaks,
+    or None when the graph holds for it."""
+    values = {n: int(v) for n, v in sizes.items()}
+    named = {_python_name(n): v for n, v in values.items()}
+    for text, where in guards:
+        expr = _parsed(text)
+        value = expr.xreplace({s: sympy.Integer(named[s.name]) for s in expr.free_symbols if s.name in named})
+        if value.free_symbols or not bool(value):
+            return text, where
+    return None
 
 
 @functools.lru_cache(maxsize=256)

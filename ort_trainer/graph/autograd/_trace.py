@@ -72,6 +72,7 @@ class GraphNames:
     state_count: int = 0
     random_inputs: list[RandomInput] = field(default_factory=list)
     dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: dim class}: symbolic dims
+    guards: list[tuple[str, str]] = field(default_factory=list)  # (condition on the dim classes, where): `_symbolic`
 
     def to_json(self) -> str:
         randoms = [
@@ -88,6 +89,7 @@ class GraphNames:
             "state_count": self.state_count,
             "random": randoms,
             "dynamic": self.dynamic,
+            "guards": [list(g) for g in self.guards],
         }
         return json.dumps(fields)
 
@@ -110,6 +112,7 @@ class GraphNames:
                 state_count=int(data["state_count"]),
                 random_inputs=randoms,
                 dynamic={str(n): {int(a): str(d) for a, d in axes.items()} for n, axes in data["dynamic"].items()},
+                guards=[(str(text), str(where)) for text, where in data["guards"]],
             )
         except (ValueError, TypeError, KeyError, AttributeError) as error:
             raise ValueError(f"not the names of a cached graph ({type(error).__name__}: {error})") from None
@@ -135,6 +138,7 @@ class TracedGraph:
     symbolic: SymbolicTrace | None = None  # the named input dims traced as symbols (None: every size static)
     dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: class}: dims left symbolic
     specialised: list[Specialised] = field(default_factory=list)  # named dims the model's code made static
+    guards: list[tuple[str, str]] = field(default_factory=list)  # what the graph assumes of its symbolic dims
     _pending: tuple | None = None  # what `finish` still has to do: (description, frozen names, training)
 
     def finish(self) -> None:
@@ -164,6 +168,7 @@ class TracedGraph:
         if symbolic is not None:
             self.symbolic = symbolic
             self.dynamic, self.specialised = symbolic.classes()
+            self.guards = symbolic.guards()
         device = self.sample_args[0].device if self.sample_args else torch.device("cpu")
         sizes = self.sample_sizes()
         draws = tuple(
@@ -185,6 +190,7 @@ class TracedGraph:
             state_count=self.state_count,
             random_inputs=list(self.random_inputs),
             dynamic={n: dict(a) for n, a in self.dynamic.items()},
+            guards=list(self.guards),
         )
 
     def sample_sizes(self) -> dict[str, int]:
@@ -223,7 +229,7 @@ class TracedGraph:
         names = GraphNames.from_json(text)
         self.output_names, self.updated, self.input_names = names.output_names, names.updated, names.input_names
         self.random_inputs = names.random_inputs
-        self.dynamic = names.dynamic
+        self.dynamic, self.guards = names.dynamic, names.guards
         self._pending = None
 
     def fingerprint(self) -> str:
