@@ -17,7 +17,7 @@ import functools
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
-__all__ = ["training_decompositions"]
+__all__ = ["symbolic_decompositions", "training_decompositions"]
 
 _aten = torch.ops.aten
 
@@ -34,9 +34,6 @@ def training_decompositions() -> dict:
                 _aten._native_batch_norm_legit,
                 _aten._native_batch_norm_legit_no_training,
                 _aten.native_batch_norm_backward,
-                # a symbolic trace reaches Dropout as native_dropout (a fake-mode trace as bernoulli): as rand_like,
-                # its draw is lifted into an input like every other (`_random`), not left to ONNX's own Dropout
-                _aten.native_dropout,
             ]
         )
     )
@@ -44,6 +41,17 @@ def training_decompositions() -> dict:
     table[_aten.convolution_backward.default] = _convolution_backward
     table[_aten._weight_norm_interface_backward.default] = _weight_norm_backward
     table[_aten.copy.default] = _copy
+    return table
+
+
+@functools.cache
+def symbolic_decompositions() -> dict:
+    """`training_decompositions` for a trace with symbolic sizes, which reaches Dropout as ``native_dropout`` (a
+    fake-mode trace reaches it as ``bernoulli``): as ``rand_like`` its draw is lifted into an input like every
+    other (`_random`), not left to ONNX's own seeded Dropout. (ORTModule lifts ``native_dropout`` itself, as a
+    keep-mask drawn as eager draws it, so its table keeps the op.)"""
+    table = dict(training_decompositions())
+    table.update(get_decompositions([_aten.native_dropout]))
     return table
 
 

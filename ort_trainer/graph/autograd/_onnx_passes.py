@@ -181,15 +181,31 @@ def _collapse_once(model: onnx.ModelProto) -> int:
                 renamed[node.output[0]] = node.input[0]
             count += 1
         elif node.op_type == "Reshape":
-            shape = _int_values(constants.get(node.input[1])) if len(node.input) > 1 else None
             allow_zero = next((a.i for a in node.attribute if a.name == "allowzero"), 0)
-            if shape is None or (0 in shape and not allow_zero):  # a 0 copies a dim of the (inner) input
+            if len(node.input) < 2 or not _sets_every_dim(node.input[1], constants, producers, allow_zero):
                 continue
             node.input[0] = inner.input[0]
             count += 1
     if count:
         _drop_unread(graph, ("Transpose", "Reshape"))
     return count
+
+
+def _sets_every_dim(target: str, constants: dict, producers: dict, allow_zero: int) -> bool:
+    """Whether a ``Reshape`` to ``target`` sets every dim itself (no 0 that copies a dim of its input), so that
+    the reshape it reads can be skipped: a constant shape without 0, or, in a graph with symbolic dims, a
+    ``Concat`` of such constants and sizes computed at run time (``Shape`` pieces: a batch's sizes, never 0)."""
+    shape = _int_values(constants.get(target))
+    if shape is not None:
+        return allow_zero or 0 not in shape
+    concat = producers.get(target)
+    if concat is None or concat.op_type != "Concat" or concat.domain not in ("", "ai.onnx"):
+        return False
+    for piece in concat.input:
+        values = _int_values(constants.get(piece))
+        if values is not None and 0 in values and not allow_zero:
+            return False
+    return True
 
 
 def _is_no_op(node: onnx.NodeProto, shapes: dict, constants: dict) -> bool:

@@ -35,7 +35,7 @@ from ort_trainer.graph._embedding import refuse_max_norm
 from ort_trainer.graph._forward import ModelWithLoss, OutputContractError, OutputContractTypeError
 from ort_trainer.graph._names import outer_module, plain_module
 
-from ._decompositions import training_decompositions
+from ._decompositions import symbolic_decompositions, training_decompositions
 from ._precision import Precision
 from ._random import RandomInput, lift_random_ops
 from ._symbolic import DynamicAxes, Specialised, SymbolicTrace, random_shape, signature_shape
@@ -155,7 +155,8 @@ class TracedGraph:
             functional = torch.func.functionalize(self.module, remove="mutations")
             args = symbolic.fake(self.input_names, self.sample_args) if symbolic is not None else self.sample_args
             mode = "symbolic" if symbolic is not None else "fake"
-            module = make_fx(functional, decomposition_table=training_decompositions(), tracing_mode=mode)(*args)
+            table = symbolic_decompositions() if symbolic is not None else training_decompositions()
+            module = make_fx(functional, decomposition_table=table, tracing_mode=mode)(*args)
         if training:
             self.updated = _keep_written(module, frozen)
             self.output_names += [n + UPDATED_SUFFIX for n in self.updated]
@@ -166,9 +167,11 @@ class TracedGraph:
                     raise
                 raise SymbolicShapesError(str(error)) from error
         if symbolic is not None:
+            # what the user's code assumed of a size is recorded by the first trace (the second one replays its graph)
+            first = self.symbolic.guards() if self.symbolic is not None else []
             self.symbolic = symbolic
             self.dynamic, self.specialised = symbolic.classes()
-            self.guards = symbolic.guards()
+            self.guards = first + [g for g in symbolic.guards() if g not in first]
         device = self.sample_args[0].device if self.sample_args else torch.device("cpu")
         sizes = self.sample_sizes()
         draws = tuple(
@@ -316,7 +319,8 @@ def trace_graph(
         with _explained(what), torch.enable_grad(), _math_attention():
             args = symbolic.fake([*names, *desc.input_names, *extra], sample) if symbolic is not None else sample
             mode = "symbolic" if symbolic is not None else "fake"
-            module = make_fx(function, decomposition_table=training_decompositions(), tracing_mode=mode)(*args)
+            table = symbolic_decompositions() if symbolic is not None else training_decompositions()
+            module = make_fx(function, decomposition_table=table, tracing_mode=mode)(*args)
     _refuse_parameter_writes(module, list(trainable))
     outputs = list(desc.output_names)
     if training:
