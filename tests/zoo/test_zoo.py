@@ -164,7 +164,7 @@ def _resized(tensor: torch.Tensor, axis: int, size: int) -> torch.Tensor:
     """``tensor`` with ``size`` entries along ``axis``: its own rows repeated, then cut (ids and labels stay valid;
     a cut sequence loses its padding tail, so some batches are padded and some are not)."""
     repeats = -(-size // tensor.shape[axis])
-    return torch.cat([tensor] * repeats, dim=axis).narrow(axis, 0, size)
+    return torch.cat([tensor] * repeats, dim=axis).narrow(axis, 0, size).contiguous()
 
 
 def varied_batches(arch: Architecture, g: torch.Generator) -> list[tuple[torch.Tensor, ...]]:

@@ -89,25 +89,26 @@ def _convolution_backward(
 
 
 def _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups):
-    """Each (sample, input channel) map convolved with the output-gradient maps of its group, as one grouped
-    convolution (strides and dilations swapped), summed over the batch and laid out as the weight."""
-    batch, in_channels = input.shape[0], input.shape[1]
+    """The weight gradient as one convolution with the batch as its channels: the input's channels of a group are
+    the batch (``(in per group, groups * batch, *spatial)``), the output gradient's maps are the kernels
+    (``(out channels, batch, *spatial_out)``), strides and dilations swapped, ``groups`` groups. The batch is a
+    size, never an attribute, so a graph with a symbolic batch size exports too (``groups * batch`` groups, the
+    formula torch.nn.grad used, put the batch into Conv's ``group`` attribute)."""
+    batch = input.shape[0]
     out_channels, in_per_group = weight.shape[0], weight.shape[1]
     out_per_group = out_channels // groups
-    spatial_out, spatial_in = list(grad_output.shape[2:]), list(input.shape[2:])
-    go = grad_output.reshape(batch, groups, 1, out_per_group, *spatial_out)
-    go = go.expand(batch, groups, in_per_group, out_per_group, *spatial_out)
-    go = go.reshape(batch * in_channels * out_per_group, 1, *spatial_out)
-    x = input.reshape(1, batch * in_channels, *spatial_in)
+    spatial = list(range(3, input.dim() + 1))
+    x = input.reshape(batch, groups, in_per_group, *input.shape[2:]).permute(2, 1, 0, *spatial)
+    x = x.reshape(in_per_group, groups * batch, *input.shape[2:])
+    go = grad_output.reshape(batch, groups, out_per_group, *grad_output.shape[2:]).permute(1, 2, 0, *spatial)
+    go = go.reshape(out_channels, batch, *grad_output.shape[2:])
     result = torch.ops.aten.convolution.default(
-        x, go, None, dilation, padding, stride, False, [0] * len(spatial_out), batch * in_channels
+        x, go, None, dilation, padding, stride, False, [0] * (input.dim() - 2), groups
     )
-    kernel = list(result.shape[2:])
-    result = result.reshape(batch, groups, in_per_group, out_per_group, *kernel).sum(0)
-    result = result.transpose(1, 2).reshape(out_channels, in_per_group, *kernel)
+    result = result.transpose(0, 1)
     for axis, size in enumerate(weight.shape[2:]):
         result = result.narrow(2 + axis, 0, size)
-    return result
+    return result.contiguous()
 
 
 def _expand(value, count: int) -> list[int]:
