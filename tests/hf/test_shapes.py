@@ -37,7 +37,9 @@ def test_lm_collator_group_by_length_and_other_eval_batches_use_one_graph_each(t
     model = gpt2()
     collate = transformers.DataCollatorForLanguageModeling(_Tokenizer(), mlm=False)  # labels -100 under the padding
     train, evaluate = TokenData(22, seed=3), TokenData(7, seed=5)  # 22 rows / 4: the epoch ends in a batch of 2
-    options = dict(group_by_length=True, per_device_eval_batch_size=3, max_steps=-1, num_train_epochs=1)
+    options = dict(
+        train_sampling_strategy="group_by_length", per_device_eval_batch_size=3, max_steps=-1, num_train_epochs=1
+    )
     args = arguments(tmp_path / "torch", **options)
     reference, expected, expected_eval = run(transformers.Trainer, model, args, train, evaluate, collate=collate)
     args = arguments(tmp_path / "ort", **options)
