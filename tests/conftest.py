@@ -142,6 +142,9 @@ SLOW_TESTS = frozenset(
         "test_ddp_writes_once_and_zero_shards_aggregate_and_load_into_any_world_size",
         "engine/test_fork_safety.py::test_a_forked_child_frees_its_inherited_trainer_without_hanging",  # 24 s
         "hf/test_shapes.py::test_lm_collator_group_by_length_and_other_eval_batches_use_one_graph_each",  # 67 s loaded
+        "engine/test_symbolic_shapes.py::test_one_graph_trains_and_evaluates_like_torch_at_every_shape",  # 75 s loaded
+        # 28 s at load 4
+        "engine/test_symbolic_shapes.py::test_gradient_accumulation_over_batches_of_different_lengths_equals_torch",
         # 22 s (MLP, CNN with BatchNorm, Embedding/LayerNorm/reshape; the MLP alone runs in `make test` too)
         "engine/test_onnx_model_engines.py::test_an_onnx_model_trains_on_the_autograd_engine_as_pytorch_trains_its_source",
     }
