@@ -15,6 +15,7 @@ Registered with torch through the ``torch_dynamo_backends`` entry point (setup.p
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -126,6 +127,17 @@ def _save_view_bases(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
         backward.recompile()
 
 
+@functools.cache
+def _decompositions() -> dict:
+    """The autograd engine's `training_decompositions` with ``native_dropout`` kept whole: its keep-mask is then
+    lifted as a mask drawn as eager PyTorch draws it (`lift_random_ops` with ``dropout_masks``), where the
+    engine's ``rand_like`` would draw other numbers than eager's ``bernoulli_``."""
+    table = dict(training_decompositions())
+    for op in torch.ops.aten.native_dropout.overloads():
+        table.pop(getattr(torch.ops.aten.native_dropout, op), None)
+    return table
+
+
 def ort_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs) -> Callable:
     """The ``"ort_trainer"`` backend of ``torch.compile``: forward, backward and inference graphs in ORT.
 
@@ -149,7 +161,7 @@ def ort_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs) ->
         bw_compiler=_compiler("backward"),
         inference_compiler=_compiler("inference"),
         partition_fn=_partition,
-        decompositions=training_decompositions(),
+        decompositions=_decompositions(),
     )
     with sdpa_kernel(SDPBackend.MATH):  # the fused kernels' backward ops have no ONNX translation
         return backend(gm, example_inputs, **kwargs)

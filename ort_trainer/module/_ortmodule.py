@@ -57,8 +57,18 @@ class ORTModule(torch.nn.Module):
         super().__init__()
         self.module = module
         self._max_graphs = int(max_graphs)
-        # not a submodule: the compiled wrapper holds `module` too, and must not add its keys to ours
-        object.__setattr__(self, "_compiled", torch.compile(module, backend=ort_backend, fullgraph=True, dynamic=False))
+        # not a submodule: the compiled wrapper holds `module` too, and must not add its keys to ours. Dynamo keeps
+        # compiled graphs (and counts them against the limit) per code object, which every instance of a class
+        # shares: `isolate_recompiles` gives this instance its own count, so `max_graphs` is this instance's
+        compiled = torch.compile(
+            module,
+            backend=ort_backend,
+            fullgraph=True,
+            dynamic=False,
+            recompile_limit=self._max_graphs,
+            isolate_recompiles=True,
+        )
+        object.__setattr__(self, "_compiled", compiled)
         self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
         self.register_load_state_dict_post_hook(_strip_incompatible)
 
@@ -68,7 +78,6 @@ class ORTModule(torch.nn.Module):
             "optimize_ddp": False,  # DDP(ORTModule(m)): one forward and one backward graph, not one per bucket
             "suppress_errors": False,  # never eager behind the user's back
             "fail_on_recompile_limit_hit": True,
-            "recompile_limit": self._max_graphs,
             # log calls in a forward (transformers' warning_once) are no graph break: dropped while tracing
             "ignore_logging_functions": _logging_functions() | torch._dynamo.config.ignore_logging_functions,
         }
