@@ -70,9 +70,17 @@ def _convolution_backward(
             - ((grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1)
             for i in range(spatial)
         ]
-        grad_input = torch.ops.aten.convolution.default(
-            grad_output, weight, None, stride, padding, dilation, True, out_padding, groups
-        )
+        if all(isinstance(p, int) for p in out_padding):
+            grad_input = torch.ops.aten.convolution.default(
+                grad_output, weight, None, stride, padding, dilation, True, out_padding, groups
+            )
+        else:  # symbolic sizes (ORTModule): ONNX's output_padding is an attribute, a constant; the rows it adds
+            # are the input's last ones that no window reached, so their gradient is zero: padded on
+            grad_input = torch.ops.aten.convolution.default(
+                grad_output, weight, None, stride, padding, dilation, True, [0] * spatial, groups
+            )
+            pads = [size for p in reversed(out_padding) for size in (0, p)]
+            grad_input = torch.ops.aten.constant_pad_nd.default(grad_input, pads, 0.0)
     if output_mask[1]:
         grad_weight = _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups)
     if output_mask[2]:
@@ -84,6 +92,8 @@ def _weight_gradient(grad_output, input, weight, stride, padding, dilation, grou
     """Each (sample, input channel) map convolved with the output-gradient maps of its group, as one grouped
     convolution (strides and dilations swapped), summed over the batch and laid out as the weight."""
     batch, in_channels = input.shape[0], input.shape[1]
+    if not isinstance(batch * in_channels, int):  # a symbolic batch: ONNX's Conv takes its groups as a constant
+        return _weight_gradient_over_batch(grad_output, input, weight, stride, padding, dilation, groups)
     out_channels, in_per_group = weight.shape[0], weight.shape[1]
     out_per_group = out_channels // groups
     spatial_out, spatial_in = list(grad_output.shape[2:]), list(input.shape[2:])
@@ -97,6 +107,27 @@ def _weight_gradient(grad_output, input, weight, stride, padding, dilation, grou
     kernel = list(result.shape[2:])
     result = result.reshape(batch, groups, in_per_group, out_per_group, *kernel).sum(0)
     result = result.transpose(1, 2).reshape(out_channels, in_per_group, *kernel)
+    for axis, size in enumerate(weight.shape[2:]):
+        result = result.narrow(2 + axis, 0, size)
+    return result
+
+
+def _weight_gradient_over_batch(grad_output, input, weight, stride, padding, dilation, groups):
+    """The weight gradient as one convolution whose channels are the batch: the input laid out as (input channels
+    of a group, groups x batch, ...) convolved with the output gradient as (groups x output channels of a group,
+    batch, ...) filters, ``groups`` groups (a constant, whatever the batch size); strides and dilations swapped."""
+    batch, spatial_in, spatial_out = input.shape[0], list(input.shape[2:]), list(grad_output.shape[2:])
+    out_channels, in_per_group = weight.shape[0], weight.shape[1]
+    out_per_group = out_channels // groups
+    axes = list(range(3, 3 + len(spatial_in)))
+    x = input.reshape(batch, groups, in_per_group, *spatial_in).permute(2, 1, 0, *axes)
+    x = x.reshape(in_per_group, groups * batch, *spatial_in)
+    go = grad_output.reshape(batch, groups, out_per_group, *spatial_out).permute(1, 2, 0, *axes)
+    go = go.reshape(out_channels, batch, *spatial_out)
+    result = torch.ops.aten.convolution.default(
+        x, go, None, dilation, padding, stride, False, [0] * len(spatial_out), groups
+    )  # (in_per_group, out_channels, kernel...)
+    result = result.transpose(0, 1)
     for axis, size in enumerate(weight.shape[2:]):
         result = result.narrow(2 + axis, 0, size)
     return result

@@ -139,6 +139,9 @@ class TracedGraph:
     dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: class}: dims left symbolic
     specialised: list[Specialised] = field(default_factory=list)  # named dims the model's code made static
     guards: list[tuple[str, str]] = field(default_factory=list)  # what the graph assumes of its symbolic dims
+    # the exporter's ``dynamic_shapes`` as the caller gives them (ORTModule's graphs, whose sizes Dynamo made
+    # symbolic: `module._sizes`); None: from `symbolic` (the engine's named dims) or every size static
+    export_shapes: tuple | None = None
     _pending: tuple | None = None  # what `finish` still has to do: (description, frozen names, training)
 
     def finish(self) -> None:
@@ -202,6 +205,8 @@ class TracedGraph:
         """The exporter's ``dynamic_shapes`` for the finished graph: a ``torch.export.Dim`` per symbolic class on
         every input dim of that class (random draws included); None when every dim is static. ValueError when a
         random draw's dim is an expression of several classes (the exporter takes single dims)."""
+        if self.export_shapes is not None:
+            return self.export_shapes
         if not self.dynamic or self.symbolic is None:
             return None
         dims = self.symbolic.export_dims()
@@ -238,6 +243,9 @@ class TracedGraph:
         digest = hashlib.sha256(self.module.code.encode())
         digest.update(repr((self.input_names, self.output_names)).encode())
         axes = self.symbolic.axes if self.symbolic is not None else {}
+        if self.export_shapes is not None:  # a symbolic axis is keyed as symbolic, not by the sample's size
+            given = zip(self.input_names, self.export_shapes, strict=True)
+            axes = {n: dict.fromkeys(d or {}, "dynamic") for n, d in given}
         digest.update(repr(sorted((n, sorted(a.items())) for n, a in axes.items())).encode())
         for name, arg in zip(self.input_names, self.sample_args, strict=False):
             digest.update(repr((signature_shape(arg.shape, axes.get(name)), str(arg.dtype))).encode())
