@@ -7,7 +7,8 @@ graph with ``default_partition``: the forward saves every activation the backwar
 recomputes nothing; a saved view is saved as its base (`_partition`). Each of the forward, backward and
 inference (no-grad) graphs is exported to ONNX and run in ONNX Runtime (`OrtGraph`); AOTAutograd's runtime
 wraps them in a ``torch.autograd.Function``, so gradients arrive in ``param.grad`` through torch's own autograd
-(hooks, DDP buckets and accumulation included).
+(hooks, DDP buckets and accumulation included). A graph with symbolic sizes is one ORT graph for every size;
+one the exporter refuses with them runs as one graph per shape (`PerShapeGraphs`), said once.
 
 Registered with torch through the ``torch_dynamo_backends`` entry point (setup.py), so that
 ``torch.compile(model, backend="ort_trainer")`` needs no import of ours.
@@ -15,6 +16,8 @@ Registered with torch through the ``torch_dynamo_backends`` entry point (setup.p
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -23,24 +26,20 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ort_trainer.graph.autograd import graph_cache_from_env, training_decompositions
+from ort_trainer.graph.autograd import SymbolicShapesError, graph_cache_from_env, training_decompositions
 
 from ._graph import OrtGraph
+from ._per_shape import PerShapeGraphs
+from ._sizes import is_symbolic
 
 __all__ = ["ort_backend"]
 
 _log = logging.getLogger("ort_trainer")
 
 
-def _is_symbolic(value: object) -> bool:
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        return True
-    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
-
-
-def _compiler(kind: str) -> Callable:
+def _compiler(kind: str, said: list[str]) -> Callable:
     def compile_graph(module: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-        graph = OrtGraph(module, example_inputs, kind, graph_cache_from_env())
+        graph = _graph(module, example_inputs, kind, said)
         if kind != "backward":
             return graph
         # the backward runs outside Dynamo (it must not be traced), still called boxed: `aot_autograd` would wrap
@@ -57,6 +56,26 @@ def _compiler(kind: str) -> Callable:
     if kind == "backward":
         compile_graph._is_wrapped_bw_compiler = True  # wrapped here (above), not again by `aot_autograd`
     return compile_graph
+
+
+def _graph(module: torch.fx.GraphModule, example_inputs: Sequence, kind: str, said: list[str]) -> Callable:
+    """One `OrtGraph`; where its sizes are symbolic and the exporter refuses them, one graph per call's sizes
+    (`PerShapeGraphs`), said once per Dynamo graph with the reason."""
+    cache = graph_cache_from_env()
+    if not any(is_symbolic(e) for e in example_inputs):
+        return OrtGraph(module, example_inputs, kind, cache)
+    original = torch.fx.GraphModule(module, copy.deepcopy(module.graph))  # `OrtGraph` rewrites `module`
+    try:
+        return OrtGraph(module, example_inputs, kind, cache)
+    except SymbolicShapesError as error:
+        if not said:
+            _log.warning(
+                "ort_trainer backend: the %s graph with symbolic sizes could not be exported with them (%s); it "
+                "runs in ONNX Runtime with one graph per input shape",
+                kind, error,
+            )  # fmt: skip
+            said.append(str(error))
+        return PerShapeGraphs(original, kind, cache)
 
 
 _VIEWS = {
@@ -105,11 +124,17 @@ def _save_view_bases(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
         target = placeholders.get(getattr(saved, "name", None))
         if not chain or not isinstance(base, torch.fx.Node) or target is None or "val" not in base.meta:
             continue
+        # a view's symbolic sizes are forward nodes: the backward has them as inputs of the same names (saved
+        # sizes), or the view stays saved as it is
+        sizes = [n for view in chain for n in view.all_input_nodes[1:]]
+        if any(n.name not in placeholders for n in sizes):
+            continue
         outputs[position] = base
         value, created = target, []
         for view in reversed(chain):  # from the base up to the saved view
+            rest = torch.fx.node.map_arg(view.args[1:], lambda n: placeholders[n.name])
             with backward.graph.inserting_after(anchor):
-                value = backward.graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+                value = backward.graph.call_function(view.target, (value, *rest), dict(view.kwargs))
             value.meta["val"] = view.meta.get("val")
             created.append(value)
             anchor = value
@@ -126,30 +151,31 @@ def _save_view_bases(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
         backward.recompile()
 
 
+@functools.cache
+def _decompositions() -> dict:
+    """The autograd engine's `training_decompositions` with ``native_dropout`` kept whole: its keep-mask is then
+    lifted as a mask drawn as eager PyTorch draws it (`lift_random_ops` with ``dropout_masks``), where the
+    engine's ``rand_like`` would draw other numbers than eager's ``bernoulli_``."""
+    table = dict(training_decompositions())
+    for op in torch.ops.aten.native_dropout.overloads():
+        table.pop(getattr(torch.ops.aten.native_dropout, op), None)
+    return table
+
+
 def ort_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs) -> Callable:
     """The ``"ort_trainer"`` backend of ``torch.compile``: forward, backward and inference graphs in ORT.
 
-    Graphs are compiled for static shapes. A graph Dynamo made dynamic (a size that changed between calls,
-    with ``dynamic=None``, the default) runs in eager PyTorch, with a warning that names the way to keep it
-    in ONNX Runtime: ``torch.compile(..., dynamic=False)`` (one graph per shape; `ORTModule` does that).
+    A graph Dynamo made dynamic (``mark_dynamic``, or a size that changed between calls with ``dynamic=None``, the
+    default) is exported once with symbolic dims and serves every size (`_sizes`); one the exporter cannot export
+    with them gets one graph per shape, with a warning that says why.
     """
-    placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-    symbolic = [i for i, x in enumerate(example_inputs) if _is_symbolic(x)]
-    symbolic = symbolic or [i for i, x in enumerate(placeholders) if _is_symbolic(x)]
-    if symbolic:
-        _log.warning(
-            "ort_trainer backend: a graph with symbolic sizes (inputs %s) runs in eager PyTorch: ORT graphs are "
-            "compiled for static shapes; pass dynamic=False to torch.compile (one graph per shape) to keep it in "
-            "ONNX Runtime",
-            symbolic,
-        )
-        return gm.forward
+    said: list[str] = []  # the fall-back to graphs per shape, said once for the graphs of this Dynamo graph
     backend = aot_autograd(
-        fw_compiler=_compiler("forward"),
-        bw_compiler=_compiler("backward"),
-        inference_compiler=_compiler("inference"),
+        fw_compiler=_compiler("forward", said),
+        bw_compiler=_compiler("backward", said),
+        inference_compiler=_compiler("inference", said),
         partition_fn=_partition,
-        decompositions=training_decompositions(),
+        decompositions=_decompositions(),
     )
     with sdpa_kernel(SDPBackend.MATH):  # the fused kernels' backward ops have no ONNX translation
         return backend(gm, example_inputs, **kwargs)

@@ -17,14 +17,16 @@ export in the on-disk graph cache (`graph.autograd.GraphCache`), and runs it in 
   duplicates of one value;
 * the forward's random draws (Dropout masks) are graph inputs filled from torch's own generator in the
   graph's order (`graph.autograd.lift_random_ops` with ``dropout_masks``): the masks eager PyTorch draws on
-  CPU, and torch's RNG state after the step is eager's.
+  CPU, and torch's RNG state after the step is eager's;
+* a graph whose sizes Dynamo made symbolic is exported once with symbolic dims and runs every size
+  (`SymbolicSizes`): its int inputs read from the tensors' shapes, the random draws, CUDA outputs and the sizes
+  the forward returns for the backward computed at each call from the sizes of that call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,19 +35,22 @@ from typing import Any
 import onnx
 import onnxruntime as ort
 import torch
-from onnx import numpy_helper
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ort_trainer.diagnosis import quiet_native_info_logs
 from ort_trainer.engine import DeviceSpec, from_ortvalue, resolve_device, to_ortvalue, use_shared_cpu_arena
 from ort_trainer.graph.autograd import (
     DISABLED_ORT_OPTIMIZERS,
     GraphCache,
+    RandomInput,
     TracedGraph,
     TraceError,
-    graph_to_onnx,
     lift_random_ops,
 )
+
+from ._export import exported, folded_outputs
+from ._sizes import SymbolicSizes, is_symbolic
 
 __all__ = ["OrtGraph", "session_options"]
 
@@ -55,7 +60,8 @@ _log = logging.getLogger("ort_trainer")
 @dataclass(frozen=True)
 class _Output:
     """Where one of the FX graph's outputs comes from: "value" (ONNX output ``index``), "input" (graph input
-    ``index`` returned as it is), or "constant" (``value``, ``None`` included)."""
+    ``index`` returned as it is), "size" (symbolic size ``index``, evaluated at the call) or "constant"
+    (``value``, ``None`` included)."""
 
     source: str
     index: int = 0
@@ -74,6 +80,16 @@ def session_options() -> ort.SessionOptions:
     return options
 
 
+def _run_options(device: torch.device) -> ort.RunOptions:
+    options = ort.RunOptions()
+    # ORT's Python run_with_iobinding looks this key up on every run and, when it is missing, pays for a raised
+    # and caught RuntimeError (~60 us); "0" is its default value (no CUDA/WebGPU graph annotation)
+    options.add_run_config_entry("gpu_graph_id", "0")
+    if device.type == "cuda":  # one stream with torch's kernels (`resolve_device`): no host wait per run
+        options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    return options
+
+
 class OrtGraph:
     """A compiled AOTAutograd graph: call it with the list of tensors AOTAutograd passes (boxed)."""
 
@@ -82,7 +98,10 @@ class OrtGraph:
     def __init__(self, module: torch.fx.GraphModule, example_inputs: Sequence, kind: str, cache: GraphCache | None):
         start = time.perf_counter()
         self.kind = kind
-        self.random = lift_random_ops(module, dropout_masks=True) if kind != "backward" else []
+        # sizes Dynamo made symbolic: one graph for all of them (`_sizes`); None: every size static
+        self.sizes = SymbolicSizes() if any(is_symbolic(e) for e in example_inputs) else None
+        size = self.sizes.size if self.sizes is not None else int
+        self.random = lift_random_ops(module, dropout_masks=True, size=size) if kind != "backward" else []
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
         examples = [
             *example_inputs,
@@ -91,50 +110,89 @@ class OrtGraph:
         if len(examples) != len(placeholders):
             raise TraceError(f"the {kind} graph has {len(placeholders)} inputs, AOTAutograd gave {len(examples)}")
         self.device = _device_of(examples)
-        self.outputs, values = _plan_outputs(module, placeholders)
-        self._shapes = [(tuple(int(d) for d in v.meta["val"].shape), v.meta["val"].dtype) for v in values]
-        input_names = [f"input_{i}" for i in range(len(placeholders))]
+        self.outputs, values, sizes_out = _plan_outputs(module, placeholders, symbolic=self.sizes is not None)
+        kept = list(range(len(placeholders)))
+        if self.sizes is not None:
+            kept = self.sizes.bind(module, placeholders, examples, len(example_inputs))
+        self._evaluate(values, sizes_out)
+        input_names = {i: f"input_{i}" for i in kept}
         output_names = [f"output_{i}" for i in range(len(values))]
         self._constants: list[torch.Tensor] | None = [] if not values else None  # nothing computed: no graph
         if values:
-            with unset_fake_temporarily(), _rng_preserved(self.device):
-                sample = tuple(_real(e, self.device) for e in examples)
-                traced = TracedGraph(module, input_names, output_names, sample)
-                model = _exported(traced, cache, kind)
+            # outside Dynamo's fake mode and tracing context: the exporter's trace must not add its own sizes and
+            # guards to the ones of the graph Dynamo is compiling
+            with unset_fake_temporarily(), torch._guards.tracing(None), _rng_preserved(self.device):
+                model = self._export(module, [(input_names[i], examples[i]) for i in kept], output_names, cache)
             # a graph the exporter folded to constants (a backward whose gradients are all zeros): nothing to run
-            self._constants = _folded_outputs(model, self.device)
+            self._constants = folded_outputs(model, self.device)
         spec = resolve_device(_device_id(self.device))  # on CUDA: ORT runs on torch's current stream
         self.session = _session(model, spec, kind) if self._constants is None else None
         used = {i.name for i in self.session.get_inputs()} if self.session is not None else set()
-        self._inputs = [(i, name) for i, name in enumerate(input_names) if name in used]
+        self._inputs = [(i, name) for i, name in input_names.items() if name in used]
         self._output_names = output_names
         # On CPU the outputs (the forward's saved activations, the backward's gradients) come from ORT's arena:
         # fresh torch memory is fresh pages from the OS every step (GPT-2 124M step 2790 -> 2487 CPU ms, steady
         # RSS +290 MiB: the arena keeps them). On CUDA torch's caching allocator already reuses its blocks.
         self._ort_outputs = self.device.type == "cpu"
-        self._run_options = ort.RunOptions()
-        # ORT's Python run_with_iobinding looks this key up on every run and, when it is missing, pays for a raised
-        # and caught RuntimeError (~60 us); "0" is its default value (no CUDA/WebGPU graph annotation)
-        self._run_options.add_run_config_entry("gpu_graph_id", "0")
-        if self.device.type == "cuda":  # one stream with torch's kernels (`resolve_device`): no host wait per run
-            self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        self._run_options = _run_options(self.device)
         _log.info(
-            "ORT %s graph: %d inputs, %d outputs, %d random draws, built in %.1f s",
-            kind, len(self._inputs), len(values), len(self.random), time.perf_counter() - start,
+            "ORT %s graph: %d inputs, %d outputs, %d random draws%s, built in %.1f s",
+            kind, len(self._inputs), len(values), len(self.random),
+            f", symbolic sizes {[str(s) for s in self.sizes.symbols]}" if self.sizes is not None else "",
+            time.perf_counter() - start,
         )  # fmt: skip
+
+    def _evaluate(self, values: list, sizes_out: list) -> None:
+        """What each call sizes: the random draws (shape, strides), the outputs' shapes and dtypes (allocated by
+        torch on CUDA) and the sizes the graph returns; functions of the symbols' values (constants if none)."""
+        if self.sizes is None:
+            self._draw_sizes = [lambda v, r=r: (r.shape, r.stride) for r in self.random]
+            shapes = [tuple(int(d) for d in v.meta["val"].shape) for v in values]
+            self._output_shapes = lambda v: shapes
+            self._size_outputs = lambda v: ()
+        else:
+            self._draw_sizes = [self._draw_size(r) for r in self.random]
+            ranks = [v.meta["val"].dim() for v in values]
+            flat = self.sizes.evaluator([d for v in values for d in v.meta["val"].shape])
+            self._output_shapes = lambda v: _split(flat(v), ranks)
+            self._size_outputs = self.sizes.evaluator(sizes_out)
+        self._dtypes = [v.meta["val"].dtype for v in values]
+
+    def _draw_size(self, spec: RandomInput):
+        shape = self.sizes.evaluator(spec.shape)
+        stride = self.sizes.evaluator(spec.stride) if spec.stride is not None else None
+        return lambda v: (shape(v), stride(v) if stride is not None else None)
+
+    def _export(self, module: torch.fx.GraphModule, inputs: list, output_names: list, cache) -> onnx.ModelProto:
+        """The graph exported (or taken from the cache), over real tensors shaped as the examples (the traced
+        sample's sizes), the symbolic dims as the exporter's ``dynamic_shapes``."""
+        names = [name for name, _ in inputs]
+        # AOTAutograd's graphs recompile lazily: until then `forward` takes (*args, **kwargs), against which the
+        # exporter cannot match a `dynamic_shapes` entry per input
+        _LazyGraphModule.force_recompile(module)
+        if self.sizes is None:
+            sample = tuple(_real(e, self.device) for _, e in inputs)
+            return exported(TracedGraph(module, names, output_names, sample), cache, self.kind)
+        shapes = self.sizes.dynamic_shapes([e for _, e in inputs])
+        sample = tuple(torch.zeros(self.sizes.hint_shape(e), dtype=e.dtype, device=self.device) for _, e in inputs)
+        traced = TracedGraph(module, names, output_names, sample, export_shapes=shapes)
+        model = exported(traced, cache, self.kind)
+        self.sizes.check(model, names, shapes)
+        return model
 
     def __call__(self, *given: Any) -> list:
         """Boxed (one list, which is emptied: AOTAutograd's convention) or, where torch's ``disable`` wrapper
         hides ``_boxed_call`` (the backward), the tensors as arguments."""
-        draws = [_draw(r, self.device) for r in self.random]
         if len(given) == 1 and isinstance(given[0], list):
-            inputs = [*given[0], *draws]
+            inputs = list(given[0])
             given[0].clear()
         else:
-            inputs = [*given, *draws]
+            inputs = list(given)
+        values = self.sizes.values(inputs) if self.sizes is not None else ()
+        inputs += [_draw(r, *size(values), self.device) for r, size in zip(self.random, self._draw_sizes, strict=True)]
         if self._constants is not None:
             results = [value.clone() for value in self._constants]
-            return [self._rebuild(out, results, inputs) for out in self.outputs]
+            return [self._rebuild(out, results, inputs, self._size_outputs(values)) for out in self.outputs]
         io = self.session.io_binding()
         kept = []
         for index, name in self._inputs:
@@ -145,7 +203,8 @@ class OrtGraph:
             for name in self._output_names:
                 io.bind_output(name, "cpu", 0)
         else:
-            results = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self._shapes]
+            shapes = self._output_shapes(values)
+            results = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(shapes, self._dtypes, strict=True)]
             for name, tensor in zip(self._output_names, results, strict=True):
                 io.bind_ortvalue_output(name, to_ortvalue(tensor))
         self.session.run_with_iobinding(io, self._run_options)
@@ -153,16 +212,19 @@ class OrtGraph:
         if self._ort_outputs:
             results = [
                 _as_dtype(from_ortvalue(value), dtype)
-                for value, (_, dtype) in zip(io._iobinding.get_outputs(), self._shapes, strict=True)
+                for value, dtype in zip(io._iobinding.get_outputs(), self._dtypes, strict=True)
             ]
-        return [self._rebuild(out, results, inputs) for out in self.outputs]
+        sizes = self._size_outputs(values)
+        return [self._rebuild(out, results, inputs, sizes) for out in self.outputs]
 
     @staticmethod
-    def _rebuild(out: _Output, results: list, inputs: list) -> object:
+    def _rebuild(out: _Output, results: list, inputs: list, sizes: Sequence[int]) -> object:
         if out.source == "value":
             return results[out.index]
         if out.source == "input":
             return inputs[out.index]
+        if out.source == "size":
+            return sizes[out.index]
         return out.value
 
 
@@ -170,7 +232,7 @@ class OrtGraph:
 class _Spec:
     """Shape and dtype of a lifted random input (AOTAutograd knows nothing of it)."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]  # a str: a symbolic size (`SymbolicSizes.size`)
     dtype: torch.dtype
 
 
@@ -179,22 +241,27 @@ def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.view(dtype) if tensor.dtype != dtype and tensor.element_size() == dtype.itemsize else tensor
 
 
-def _plan_outputs(module: torch.fx.GraphModule, placeholders: list) -> tuple[list[_Output], list]:
-    """Rewrite the graph to return each distinct computed tensor once; how to rebuild AOTAutograd's outputs."""
+def _plan_outputs(module: torch.fx.GraphModule, placeholders: list, *, symbolic: bool) -> tuple[list, list, list]:
+    """Rewrite the graph to return each distinct computed tensor once; how to rebuild AOTAutograd's outputs, the
+    tensors the graph returns, and the symbolic sizes it returned (``symbolic``: evaluated at each call instead)."""
     output_node = next(n for n in module.graph.nodes if n.op == "output")
     given = output_node.args[0]
     given = list(given) if isinstance(given, tuple | list) else [given]
     positions = {node: i for i, node in enumerate(placeholders)}
-    plan, values, seen = [], [], {}
+    plan, values, seen, sizes = [], [], {}, []
     for value in given:
         if isinstance(value, torch.fx.Node) and value in positions:
             plan.append(_Output("input", positions[value]))
         elif isinstance(value, torch.fx.Node):
             example = value.meta.get("val")
+            if symbolic and isinstance(example, torch.SymInt | int):  # a size the forward saves for the backward
+                plan.append(_Output("size", len(sizes)))
+                sizes.append(example)
+                continue
             if not isinstance(example, torch.Tensor):
                 raise TraceError(
-                    f"the graph returns {value.name} = {example!r}, not a tensor (a symbolic size?): ORTModule "
-                    "compiles static shapes only; call it with tensors of fixed shapes"
+                    f"the graph returns {value.name} = {example!r}, not a tensor: ORTModule's graphs return tensors "
+                    "and sizes"
                 )
             if value not in seen:
                 seen[value] = len(values)
@@ -205,70 +272,16 @@ def _plan_outputs(module: torch.fx.GraphModule, placeholders: list) -> tuple[lis
     output_node.args = (tuple(values),)
     module.graph.eliminate_dead_code()
     module.recompile()
-    return plan, values
+    return plan, values, sizes
 
 
-def _to_onnx(traced: TracedGraph, kind: str) -> onnx.ModelProto:
-    """`graph_to_onnx`, its error told in ORTModule's terms: the op, the user's line that calls it, the ways out."""
-    try:
-        return graph_to_onnx(traced)
-    except TraceError as error:
-        ops = re.findall(r"no ONNX translation for ([\w., ]+)\)", str(error))
-        names = [o.strip() for o in ops[0].split(",")] if ops else []
-        where = _lines_calling(traced.module, names)
-        what = f"no ONNX translation for {', '.join(names)}" if names else str(error).split(". An aten op")[0]
-        raise TraceError(
-            f"ORTModule could not export the {kind} graph ({what}){f', called at {where}' if where else ''}. "
-            "Give the op an ONNX translation with onnxscript, compute it with other ops, or move the call into a "
-            "function decorated with @torch.compiler.disable and use torch.compile(module, backend='ort_trainer') "
-            "(that call then runs in eager PyTorch, the rest in ONNX Runtime: docs/ortmodule.md)"
-        ) from error
-
-
-def _lines_calling(module: torch.fx.GraphModule, ops: list[str]) -> str:
-    """``file:line`` of the user's code behind the first node that calls one of ``ops`` (Dynamo's stack traces)."""
-    for node in module.graph.nodes:
-        if node.op == "call_function" and any(str(node.target).startswith(op + ".") for op in ops):
-            found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-            if found:
-                return f"{found[-1][0]}:{found[-1][1]}"
-    return ""
-
-
-def _exported(traced: TracedGraph, cache: GraphCache | None, kind: str) -> onnx.ModelProto:
-    if cache is None:
-        return _to_onnx(traced, kind)
-    key = cache.key(traced.fingerprint(), {"ortmodule": kind})
-    try:
-        building = cache.building(key)
-        building.__enter__()
-    except OSError as error:  # a read-only or full cache folder must not stop training
-        _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
-        return _to_onnx(traced, kind)
-    try:
-        model = cache.get(key)
-        if model is not None:
-            _log.info("graph cache: ORTModule %s graph loaded from %s", kind, cache.directory)
-            return model
-        model = _to_onnx(traced, kind)
-        try:
-            cache.put(key, model)
-        except OSError as error:
-            _log.warning("graph cache %s: could not store the graph (%s)", cache.directory, error)
-        return model
-    finally:
-        building.__exit__(None, None, None)
-
-
-def _folded_outputs(model: onnx.ModelProto, device: torch.device) -> list[torch.Tensor] | None:
-    """The outputs of a graph without nodes (every output an initializer), else None."""
-    if model.graph.node:
-        return None
-    values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
-    missing = [o.name for o in model.graph.output if o.name not in values]
-    if missing:
-        raise TraceError(f"the exported graph has no nodes and no values for its outputs {missing}")
-    return [torch.from_numpy(values[o.name].copy()).to(device) for o in model.graph.output]
+def _split(flat: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    """``flat`` cut into shapes of these ranks."""
+    shapes, start = [], 0
+    for rank in ranks:
+        shapes.append(tuple(flat[start : start + rank]))
+        start += rank
+    return shapes
 
 
 def _session(model: onnx.ModelProto, spec: DeviceSpec, kind: str) -> ort.InferenceSession:
@@ -288,14 +301,15 @@ def _session(model: onnx.ModelProto, spec: DeviceSpec, kind: str) -> ort.Inferen
             ) from error
 
 
-def _draw(spec, device: torch.device) -> torch.Tensor:
-    """One random input, drawn from torch's default generator of ``device`` as eager PyTorch would."""
+def _draw(spec: RandomInput, shape: tuple, stride: tuple | None, device: torch.device) -> torch.Tensor:
+    """One random input of this call's ``shape`` (and, for a keep-mask, ``stride``), drawn from torch's default
+    generator of ``device`` as eager PyTorch would."""
     if spec.kind == "keep":  # eager CPU Dropout: empty_like(x).bernoulli_(1 - p), in x's memory layout
-        mask = torch.empty_strided(spec.shape, spec.stride or _contiguous(spec.shape), dtype=spec.dtype, device=device)
+        mask = torch.empty_strided(shape, stride or _contiguous(shape), dtype=spec.dtype, device=device)
         return mask.bernoulli_(spec.probability).bool()
     if spec.kind == "normal":
-        return torch.randn(spec.shape, dtype=spec.dtype, device=device)
-    return torch.rand(spec.shape, dtype=spec.dtype, device=device)
+        return torch.randn(shape, dtype=spec.dtype, device=device)
+    return torch.rand(shape, dtype=spec.dtype, device=device)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -6,10 +6,12 @@ graph exported to ONNX and run in ONNX Runtime). The parameters stay the user's:
 ``param.grad`` through torch's autograd, so any ``torch.optim`` optimizer, LR scheduler, ``clip_grad_norm_``,
 gradient accumulation, ``zero_grad`` and ``DistributedDataParallel`` work unchanged.
 
-Dynamo's guards pick the graph: ``train()``/``eval()``, ``torch.no_grad()`` (forward-only inference graph)
-and each new input shape get their own graphs (shapes are static; exports are kept in the on-disk graph
-cache). What cannot be one graph (a graph break: Python control flow on tensor values, ``.item()``...) or
-cannot be exported raises `TraceError` at the first call naming the line or op and the way out; the module
+Dynamo's guards pick the graph: ``train()``/``eval()`` and ``torch.no_grad()`` (forward-only inference graph)
+get their own graphs. Shapes are Dynamo's: the first call's are static; a dim whose size then changes (or one
+marked with ``torch._dynamo.mark_dynamic``) becomes symbolic, and that one graph, exported with symbolic dims,
+runs every later size (a size of 1, or one that breaks what the code assumed of a size, gets a graph of its own;
+exports are kept in the on-disk graph cache). What cannot be one graph (a graph break: Python control flow on
+tensor values, ``.item()``...) or cannot be exported raises `TraceError` at the first call naming the line or op and the way out; the module
 never runs in eager PyTorch behind the user's back (no ``suppress_errors``, no fall-back when Dynamo's
 recompile limit is hit). ``state_dict()`` / ``load_state_dict()`` use the wrapped module's own keys.
 """
@@ -43,8 +45,8 @@ _WAY_OUT = (
 class ORTModule(torch.nn.Module):
     """``module`` with its forward and backward in ONNX Runtime; otherwise the module itself.
 
-    ``max_graphs``: how many graphs (train/eval x grad/no-grad x input shapes) may be compiled before a
-    call raises instead of compiling another (pad inputs to a few sizes); exports are cached on disk.
+    ``max_graphs``: how many graphs (train/eval x grad/no-grad x static or symbolic shapes) this instance may
+    compile before a call raises instead of compiling another; exports are cached on disk.
     """
 
     def __init__(self, module: torch.nn.Module, *, max_graphs: int = 64):
@@ -57,8 +59,17 @@ class ORTModule(torch.nn.Module):
         super().__init__()
         self.module = module
         self._max_graphs = int(max_graphs)
-        # not a submodule: the compiled wrapper holds `module` too, and must not add its keys to ours
-        object.__setattr__(self, "_compiled", torch.compile(module, backend=ort_backend, fullgraph=True, dynamic=False))
+        # not a submodule: the compiled wrapper holds `module` too, and must not add its keys to ours. Dynamo keeps
+        # compiled graphs (and counts them against the limit) per code object, which every instance of a class
+        # shares: `isolate_recompiles` gives this instance its own count, so `max_graphs` is this instance's
+        compiled = torch.compile(
+            module,
+            backend=ort_backend,
+            fullgraph=True,
+            recompile_limit=self._max_graphs,
+            isolate_recompiles=True,
+        )
+        object.__setattr__(self, "_compiled", compiled)
         self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
         self.register_load_state_dict_post_hook(_strip_incompatible)
 
@@ -68,7 +79,6 @@ class ORTModule(torch.nn.Module):
             "optimize_ddp": False,  # DDP(ORTModule(m)): one forward and one backward graph, not one per bucket
             "suppress_errors": False,  # never eager behind the user's back
             "fail_on_recompile_limit_hit": True,
-            "recompile_limit": self._max_graphs,
             # log calls in a forward (transformers' warning_once) are no graph break: dropped while tracing
             "ignore_logging_functions": _logging_functions() | torch._dynamo.config.ignore_logging_functions,
         }
@@ -91,8 +101,8 @@ class ORTModule(torch.nn.Module):
         except dynamo_exc.FailOnRecompileLimitHit as error:
             raise TraceError(
                 f"ORTModule compiled {self._max_graphs} graphs for {self._what()} (one per train/eval mode, grad mode "
-                "and input shape) and refuses to compile more: pad inputs to a few shapes, or raise "
-                "ORTModule(module, max_graphs=...)"
+                "and set of static or symbolic input sizes) and refuses to compile more: mark the dims that change "
+                "with torch._dynamo.mark_dynamic, or raise ORTModule(module, max_graphs=...)"
             ) from error
 
     # ---------------------------------------------------------------- the module's own state dict

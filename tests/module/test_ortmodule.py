@@ -322,3 +322,17 @@ def test_the_exporter_s_optimizer_says_nothing_to_the_user_s_log(caplog, monkeyp
     reference(x).sum().backward()
     _assert_grads_equal(model, reference)
     assert not [r for r in caplog.records if r.name.startswith("onnx_ir") and r.levelno >= logging.WARNING]
+
+
+def test_max_graphs_counts_each_instance_s_own_graphs():
+    """Dynamo's recompile limit is kept per code object, which every instance of a module class shares: a fresh
+    ORTModule counted the graphs of earlier ones and could refuse its first call."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 20)
+    first = ORTModule(_Once(), max_graphs=1)
+    first(x).sum().backward()  # its one graph
+    second = ORTModule(_Once().eval(), max_graphs=1)
+    with torch.no_grad():
+        torch.testing.assert_close(second(x), second.module(x))  # its first graph (another signature)
+    with pytest.raises(TraceError, match=r"compiled 1 graphs for _Once\.forward .* max_graphs"):
+        second(x)  # its second (with gradients)

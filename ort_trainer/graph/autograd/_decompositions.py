@@ -17,7 +17,7 @@ import functools
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
-__all__ = ["symbolic_decompositions", "training_decompositions"]
+__all__ = ["training_decompositions"]
 
 _aten = torch.ops.aten
 
@@ -34,6 +34,9 @@ def training_decompositions() -> dict:
                 _aten._native_batch_norm_legit,
                 _aten._native_batch_norm_legit_no_training,
                 _aten.native_batch_norm_backward,
+                # a symbolic trace reaches Dropout as native_dropout (a fake-mode trace as bernoulli): as rand_like,
+                # its draw is lifted into an input like every other (`_random`), not left to ONNX's own Dropout
+                _aten.native_dropout,
             ]
         )
     )
@@ -41,17 +44,6 @@ def training_decompositions() -> dict:
     table[_aten.convolution_backward.default] = _convolution_backward
     table[_aten._weight_norm_interface_backward.default] = _weight_norm_backward
     table[_aten.copy.default] = _copy
-    return table
-
-
-@functools.cache
-def symbolic_decompositions() -> dict:
-    """`training_decompositions` for a trace with symbolic sizes, which reaches Dropout as ``native_dropout`` (a
-    fake-mode trace reaches it as ``bernoulli``): as ``rand_like`` its draw is lifted into an input like every
-    other (`_random`), not left to ONNX's own seeded Dropout. (ORTModule lifts ``native_dropout`` itself, as a
-    keep-mask drawn as eager draws it, so its table keeps the op.)"""
-    table = dict(training_decompositions())
-    table.update(get_decompositions([_aten.native_dropout]))
     return table
 
 
@@ -78,9 +70,17 @@ def _convolution_backward(
             - ((grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1)
             for i in range(spatial)
         ]
-        grad_input = torch.ops.aten.convolution.default(
-            grad_output, weight, None, stride, padding, dilation, True, out_padding, groups
-        )
+        if all(isinstance(p, int) for p in out_padding):
+            grad_input = torch.ops.aten.convolution.default(
+                grad_output, weight, None, stride, padding, dilation, True, out_padding, groups
+            )
+        else:  # symbolic sizes (ORTModule): ONNX's output_padding is an attribute, a constant; the rows it adds
+            # are the input's last ones that no window reached, so their gradient is zero: padded on
+            grad_input = torch.ops.aten.convolution.default(
+                grad_output, weight, None, stride, padding, dilation, True, [0] * spatial, groups
+            )
+            pads = [size for p in reversed(out_padding) for size in (0, p)]
+            grad_input = torch.ops.aten.constant_pad_nd.default(grad_input, pads, 0.0)
     if output_mask[1]:
         grad_weight = _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups)
     if output_mask[2]:
@@ -89,26 +89,48 @@ def _convolution_backward(
 
 
 def _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups):
-    """The weight gradient as one convolution with the batch as its channels: the input's channels of a group are
-    the batch (``(in per group, groups * batch, *spatial)``), the output gradient's maps are the kernels
-    (``(out channels, batch, *spatial_out)``), strides and dilations swapped, ``groups`` groups. The batch is a
-    size, never an attribute, so a graph with a symbolic batch size exports too (``groups * batch`` groups, the
-    formula torch.nn.grad used, put the batch into Conv's ``group`` attribute)."""
-    batch = input.shape[0]
+    """Each (sample, input channel) map convolved with the output-gradient maps of its group, as one grouped
+    convolution (strides and dilations swapped), summed over the batch and laid out as the weight."""
+    batch, in_channels = input.shape[0], input.shape[1]
+    if not isinstance(batch * in_channels, int):  # a symbolic batch: ONNX's Conv takes its groups as a constant
+        return _weight_gradient_over_batch(grad_output, input, weight, stride, padding, dilation, groups)
     out_channels, in_per_group = weight.shape[0], weight.shape[1]
     out_per_group = out_channels // groups
-    spatial = list(range(3, input.dim() + 1))
-    x = input.reshape(batch, groups, in_per_group, *input.shape[2:]).permute(2, 1, 0, *spatial)
-    x = x.reshape(in_per_group, groups * batch, *input.shape[2:])
-    go = grad_output.reshape(batch, groups, out_per_group, *grad_output.shape[2:]).permute(1, 2, 0, *spatial)
-    go = go.reshape(out_channels, batch, *grad_output.shape[2:])
+    spatial_out, spatial_in = list(grad_output.shape[2:]), list(input.shape[2:])
+    go = grad_output.reshape(batch, groups, 1, out_per_group, *spatial_out)
+    go = go.expand(batch, groups, in_per_group, out_per_group, *spatial_out)
+    go = go.reshape(batch * in_channels * out_per_group, 1, *spatial_out)
+    x = input.reshape(1, batch * in_channels, *spatial_in)
     result = torch.ops.aten.convolution.default(
-        x, go, None, dilation, padding, stride, False, [0] * (input.dim() - 2), groups
+        x, go, None, dilation, padding, stride, False, [0] * len(spatial_out), batch * in_channels
     )
+    kernel = list(result.shape[2:])
+    result = result.reshape(batch, groups, in_per_group, out_per_group, *kernel).sum(0)
+    result = result.transpose(1, 2).reshape(out_channels, in_per_group, *kernel)
+    for axis, size in enumerate(weight.shape[2:]):
+        result = result.narrow(2 + axis, 0, size)
+    return result
+
+
+def _weight_gradient_over_batch(grad_output, input, weight, stride, padding, dilation, groups):
+    """The weight gradient as one convolution whose channels are the batch: the input laid out as (input channels
+    of a group, groups x batch, ...) convolved with the output gradient as (groups x output channels of a group,
+    batch, ...) filters, ``groups`` groups (a constant, whatever the batch size); strides and dilations swapped."""
+    batch, spatial_in, spatial_out = input.shape[0], list(input.shape[2:]), list(grad_output.shape[2:])
+    out_channels, in_per_group = weight.shape[0], weight.shape[1]
+    out_per_group = out_channels // groups
+    axes = list(range(3, 3 + len(spatial_in)))
+    x = input.reshape(batch, groups, in_per_group, *spatial_in).permute(2, 1, 0, *axes)
+    x = x.reshape(in_per_group, groups * batch, *spatial_in)
+    go = grad_output.reshape(batch, groups, out_per_group, *spatial_out).permute(1, 2, 0, *axes)
+    go = go.reshape(out_channels, batch, *spatial_out)
+    result = torch.ops.aten.convolution.default(
+        x, go, None, dilation, padding, stride, False, [0] * len(spatial_out), groups
+    )  # (in_per_group, out_channels, kernel...)
     result = result.transpose(0, 1)
     for axis, size in enumerate(weight.shape[2:]):
         result = result.narrow(2 + axis, 0, size)
-    return result.contiguous()
+    return result
 
 
 def _expand(value, count: int) -> list[int]:

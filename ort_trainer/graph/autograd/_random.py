@@ -41,7 +41,7 @@ class RandomInput:
     dtype: torch.dtype
     kind: str
     probability: float = 0.0  # kind "keep": the probability that an element is kept (1 - Dropout's p)
-    stride: tuple[int, ...] | None = None  # kind "keep": the input's strides (eager fills its mask in memory order)
+    stride: tuple[int | str, ...] | None = None  # kind "keep": the input's strides (eager fills its mask in order)
 
 
 def lift_random_ops(
@@ -61,7 +61,7 @@ def lift_random_ops(
         if dropout_masks and target == _aten.native_dropout.default and _is_training_dropout(node):
             value = node.args[0].meta["val"]
             keep = 1.0 - float(node.args[1])
-            shape, stride = tuple(int(d) for d in value.shape), tuple(int(s) for s in value.stride())
+            shape, stride = tuple(size(d) for d in value.shape), tuple(size(s) for s in value.stride())
             spec = RandomInput(f"random.{len(lifted)}", shape, value.dtype, "keep", keep, stride)
             with graph.inserting_after(last) if last is not None else graph.inserting_before(None):
                 mask = graph.placeholder(spec.name.replace(".", "_"))

@@ -47,7 +47,7 @@ def graph_to_onnx(traced: TracedGraph) -> onnx.ModelProto:
         try:
             program = _export(traced)
         except Exception as error:  # noqa: BLE001 - the exporter's errors are long; name the op and the way out
-            if traced.symbolic is not None and traced.dynamic:
+            if traced.export_shapes is not None or (traced.symbolic is not None and traced.dynamic):
                 raise SymbolicShapesError(f"{type(error).__name__}: {_first_line(error)}") from error
             ops = sorted(set(re.findall(r"OpOverload\(op='([^']+)'", _all_messages(error))))
             what = (

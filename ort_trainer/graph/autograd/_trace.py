@@ -35,7 +35,7 @@ from ort_trainer.graph._embedding import refuse_max_norm
 from ort_trainer.graph._forward import ModelWithLoss, OutputContractError, OutputContractTypeError
 from ort_trainer.graph._names import outer_module, plain_module
 
-from ._decompositions import symbolic_decompositions, training_decompositions
+from ._decompositions import training_decompositions
 from ._precision import Precision
 from ._random import RandomInput, lift_random_ops
 from ._symbolic import DynamicAxes, Specialised, SymbolicTrace, random_shape, signature_shape
@@ -139,6 +139,9 @@ class TracedGraph:
     dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: class}: dims left symbolic
     specialised: list[Specialised] = field(default_factory=list)  # named dims the model's code made static
     guards: list[tuple[str, str]] = field(default_factory=list)  # what the graph assumes of its symbolic dims
+    # the exporter's ``dynamic_shapes`` as the caller gives them (ORTModule's graphs, whose sizes Dynamo made
+    # symbolic: `module._sizes`); None: from `symbolic` (the engine's named dims) or every size static
+    export_shapes: tuple | None = None
     _pending: tuple | None = None  # what `finish` still has to do: (description, frozen names, training)
 
     def finish(self) -> None:
@@ -155,7 +158,7 @@ class TracedGraph:
             functional = torch.func.functionalize(self.module, remove="mutations")
             args = symbolic.fake(self.input_names, self.sample_args) if symbolic is not None else self.sample_args
             mode = "symbolic" if symbolic is not None else "fake"
-            table = symbolic_decompositions() if symbolic is not None else training_decompositions()
+            table = training_decompositions()
             module = make_fx(functional, decomposition_table=table, tracing_mode=mode)(*args)
         if training:
             self.updated = _keep_written(module, frozen)
@@ -205,6 +208,8 @@ class TracedGraph:
         """The exporter's ``dynamic_shapes`` for the finished graph: a ``torch.export.Dim`` per symbolic class on
         every input dim of that class (random draws included); None when every dim is static. ValueError when a
         random draw's dim is an expression of several classes (the exporter takes single dims)."""
+        if self.export_shapes is not None:
+            return self.export_shapes
         if not self.dynamic or self.symbolic is None:
             return None
         dims = self.symbolic.export_dims()
@@ -241,6 +246,9 @@ class TracedGraph:
         digest = hashlib.sha256(self.module.code.encode())
         digest.update(repr((self.input_names, self.output_names)).encode())
         axes = self.symbolic.axes if self.symbolic is not None else {}
+        if self.export_shapes is not None:  # a symbolic axis is keyed as symbolic, not by the sample's size
+            given = zip(self.input_names, self.export_shapes, strict=True)
+            axes = {n: dict.fromkeys(d or {}, "dynamic") for n, d in given}
         digest.update(repr(sorted((n, sorted(a.items())) for n, a in axes.items())).encode())
         for name, arg in zip(self.input_names, self.sample_args, strict=False):
             digest.update(repr((signature_shape(arg.shape, axes.get(name)), str(arg.dtype))).encode())
@@ -319,7 +327,7 @@ def trace_graph(
         with _explained(what), torch.enable_grad(), _math_attention():
             args = symbolic.fake([*names, *desc.input_names, *extra], sample) if symbolic is not None else sample
             mode = "symbolic" if symbolic is not None else "fake"
-            table = symbolic_decompositions() if symbolic is not None else training_decompositions()
+            table = training_decompositions()
             module = make_fx(function, decomposition_table=table, tracing_mode=mode)(*args)
     _refuse_parameter_writes(module, list(trainable))
     outputs = list(desc.output_names)
