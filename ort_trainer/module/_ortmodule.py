@@ -6,14 +6,15 @@ graph exported to ONNX and run in ONNX Runtime). The parameters stay the user's:
 ``param.grad`` through torch's autograd, so any ``torch.optim`` optimizer, LR scheduler, ``clip_grad_norm_``,
 gradient accumulation, ``zero_grad`` and ``DistributedDataParallel`` work unchanged.
 
-Dynamo's guards pick the graph: ``train()``/``eval()`` and ``torch.no_grad()`` (forward-only inference graph)
-get their own graphs. Shapes are Dynamo's: the first call's are static; a dim whose size then changes (or one
-marked with ``torch._dynamo.mark_dynamic``) becomes symbolic, and that one graph, exported with symbolic dims,
-runs every later size (a size of 1, or one that breaks what the code assumed of a size, gets a graph of its own;
-exports are kept in the on-disk graph cache). What cannot be one graph (a graph break: Python control flow on
-tensor values, ``.item()``...) or cannot be exported raises `TraceError` at the first call naming the line or op and the way out; the module
-never runs in eager PyTorch behind the user's back (no ``suppress_errors``, no fall-back when Dynamo's
-recompile limit is hit). ``state_dict()`` / ``load_state_dict()`` use the wrapped module's own keys.
+Dynamo's guards pick the graph: ``train()``/``eval()`` and ``torch.no_grad()`` (forward-only inference graph) get
+their own graphs. Shapes are Dynamo's: the first call's are static; a dim whose size then changes (or one marked
+with ``torch._dynamo.mark_dynamic``) becomes symbolic, and that one graph, exported with symbolic dims, runs every
+later size (a size of 1, or one that breaks what the code assumed of a size, gets a graph of its own; exports are
+kept in the on-disk graph cache). What cannot be one graph (a graph break: Python control flow on tensor values,
+``.item()``...) or cannot be exported raises `TraceError` at the first call naming the line or op and the way out;
+the module never runs in eager PyTorch behind the user's back (no ``suppress_errors``, no fall-back when Dynamo's
+recompile limit is hit).
+``state_dict()`` / ``load_state_dict()`` use the wrapped module's own keys.
 """
 
 from __future__ import annotations
