@@ -162,3 +162,71 @@ def test_save_as_onnx_writes_the_named_dims_symbolic(tmp_path):
     model = onnx.load(str(tmp_path / "model.onnx"))
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert dims["input_ids"] == ["batch", "seq"] and dims["label"] == ["batch", "seq"]
+
+
+class _SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(6)
+        self.conv2 = torch.nn.Conv2d(6, 8, 3, stride=2)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.norm(self.conv(x)))
+        return self.head(torch.relu(self.conv2(x)).mean((2, 3)))
+
+
+def test_a_vision_model_fed_images_of_several_sizes_trains_one_graph_like_torch(caplog):
+    caplog.set_level(logging.INFO, logger="ort_trainer")
+    torch.manual_seed(0)
+    model = _SmallCNN()
+    reference = copy.deepcopy(model)
+    desc = {"inputs": [("x", ["batch", 3, "height", "width"]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
+    options = {"utils": {"engine": "autograd", "grad_norm_clip": False}}
+    ce = torch.nn.functional.cross_entropy
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=ce, options=options)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(6)
+    for rows, height, width in [(4, 16, 16), (3, 24, 20), (4, 16, 16), (2, 11, 13)]:  # two sizes, then another
+        x, label = torch.randn(rows, 3, height, width, generator=g), torch.randint(0, 4, (rows,), generator=g)
+        loss = trainer.train_step(x, label)
+        opt.zero_grad()
+        expected = ce(reference(x), label)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    state = trainer.state_dict(pytorch_format=True)
+    for key, value in reference.state_dict().items():  # BatchNorm's running statistics included
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    reference.eval()
+    x, label = torch.randn(5, 3, 9, 30, generator=g), torch.randint(0, 4, (5,), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.eval_step(x, label), ce(reference(x), label), rtol=1e-5, atol=1e-6)
+    assert _builds(caplog) == 1, caplog.text
+
+
+def test_a_checkpoint_does_not_depend_on_the_shapes_trained_on(tmp_path):
+    """Two runs from the same weights on batches of other shapes save the same names, dtypes and sizes; a trainer
+    that loads either one trains a shape neither run saw on one graph."""
+    g = torch.Generator().manual_seed(7)
+    states = []
+    for shapes in ([(4, 8), (2, 5)], [(1, 12)]):
+        torch.manual_seed(0)
+        trainer = _trainer(GPT2(), optim.AdamConfig(lr=1e-2))
+        for rows, length in shapes:
+            trainer.train_step(*_batch(rows, length, g))
+        trainer.save_checkpoint(tmp_path / f"{len(shapes)}.ortcp")
+        states.append(trainer.state_dict())
+    layout = [
+        {k: (v.dtype, tuple(v.shape)) for k, v in state["optimizer"].items() if isinstance(v, torch.Tensor)}
+        | {k: (v.dtype, tuple(v.shape)) for k, v in state["model"]["full_precision"].items()}
+        for state in states
+    ]
+    assert layout[0] == layout[1]
+    torch.manual_seed(1)
+    resumed = _trainer(GPT2(), optim.AdamConfig(lr=1e-2))
+    resumed.load_checkpoint(tmp_path / "1.ortcp")
+    for rows, length in [(3, 10), (2, 4)]:
+        assert torch.isfinite(resumed.train_step(*_batch(rows, length, g)))
+    assert resumed.train_step_info.step == 3

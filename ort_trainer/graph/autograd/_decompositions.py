@@ -74,13 +74,19 @@ def _convolution_backward(
             grad_input = torch.ops.aten.convolution.default(
                 grad_output, weight, None, stride, padding, dilation, True, out_padding, groups
             )
-        else:  # symbolic sizes (ORTModule): ONNX's output_padding is an attribute, a constant; the rows it adds
-            # are the input's last ones that no window reached, so their gradient is zero: padded on
+        else:  # symbolic sizes: ONNX's output_padding is an attribute, a constant; the rows it adds are the
+            # input's last ones that no window reached (fewer than the stride), so their gradient is zero: padded
+            # on by stride - 1 and the input's rows gathered (a gather, not a slice: a slice is a view, and the
+            # trace would guard on whether it is contiguous). A pad of the symbolic amount itself would make the
+            # trace assume it is (or is not) zero: images of odd and even width would need graphs of their own
             grad_input = torch.ops.aten.convolution.default(
                 grad_output, weight, None, stride, padding, dilation, True, [0] * spatial, groups
             )
-            pads = [size for p in reversed(out_padding) for size in (0, p)]
+            pads = [size for s in reversed(stride) for size in (0, s - 1)]
             grad_input = torch.ops.aten.constant_pad_nd.default(grad_input, pads, 0.0)
+            for i in range(spatial):
+                rows = torch.arange(input.shape[2 + i], device=grad_input.device)
+                grad_input = torch.ops.aten.index_select.default(grad_input, 2 + i, rows)
     if output_mask[1]:
         grad_weight = _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups)
     if output_mask[2]:
@@ -107,9 +113,7 @@ def _weight_gradient(grad_output, input, weight, stride, padding, dilation, grou
     kernel = list(result.shape[2:])
     result = result.reshape(batch, groups, in_per_group, out_per_group, *kernel).sum(0)
     result = result.transpose(1, 2).reshape(out_channels, in_per_group, *kernel)
-    for axis, size in enumerate(weight.shape[2:]):
-        result = result.narrow(2 + axis, 0, size)
-    return result
+    return _cut_to_kernel(result, weight.shape[2:])
 
 
 def _weight_gradient_over_batch(grad_output, input, weight, stride, padding, dilation, groups):
@@ -127,9 +131,20 @@ def _weight_gradient_over_batch(grad_output, input, weight, stride, padding, dil
     result = torch.ops.aten.convolution.default(
         x, go, None, dilation, padding, stride, False, [0] * len(spatial_out), groups
     )  # (in_per_group, out_channels, kernel...)
-    result = result.transpose(0, 1)
-    for axis, size in enumerate(weight.shape[2:]):
-        result = result.narrow(2 + axis, 0, size)
+    return _cut_to_kernel(result.transpose(0, 1), weight.shape[2:])
+
+
+def _cut_to_kernel(result, kernel):
+    """The first ``kernel`` rows of ``result``'s spatial axes. Where the result's size is symbolic (the input's
+    size less whole strides: 3 or 4 for a stride-2 3x3 conv on odd or even images) a gather, not a slice: a slice
+    is a view, and the trace would guard on whether it is contiguous, so that images of odd and even sizes
+    needed graphs of their own."""
+    for axis, size in enumerate(kernel):
+        if isinstance(result.shape[2 + axis], int):
+            result = result.narrow(2 + axis, 0, size)
+        else:
+            rows = torch.arange(size, device=result.device)
+            result = torch.ops.aten.index_select.default(result, 2 + axis, rows)
     return result
 
 
