@@ -48,15 +48,21 @@ class ORTModule(torch.nn.Module):
 
     ``max_graphs``: how many graphs (train/eval x grad/no-grad x static or symbolic shapes) this instance may
     compile before a call raises instead of compiling another; exports are cached on disk.
+    ``dynamic``: ``torch.compile``'s: None (Dynamo's automatic dynamic shapes: the first call's sizes are static, a
+    dim becomes symbolic once its size changes, so lengths that vary and then an epoch's smaller last batch give
+    three graphs), True (every input dim symbolic from the first call: one graph for every batch and length; sizes
+    0 and 1 still get their own) or False (one graph per shape).
     """
 
-    def __init__(self, module: torch.nn.Module, *, max_graphs: int = 64):
+    def __init__(self, module: torch.nn.Module, *, max_graphs: int = 64, dynamic: bool | None = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, ORTModule):
             raise TypeError("the module is already an ORTModule; wrap the plain module once")
         if int(max_graphs) < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        if dynamic not in (None, True, False):
+            raise TypeError(f"dynamic must be None, True or False (torch.compile's), got {dynamic!r}")
         super().__init__()
         self.module = module
         self._max_graphs = int(max_graphs)
@@ -67,6 +73,7 @@ class ORTModule(torch.nn.Module):
             module,
             backend=ort_backend,
             fullgraph=True,
+            dynamic=dynamic,
             recompile_limit=self._max_graphs,
             isolate_recompiles=True,
         )

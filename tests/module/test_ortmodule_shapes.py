@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import pytest
 import torch
 
 from ort_trainer import ORTModule
@@ -66,6 +67,26 @@ def test_a_transformer_with_dropout_at_varying_batch_and_sequence_builds_one_for
     _assert_state_equal(model, reference)
     assert _kinds(caplog) == ["ORT forward graph", "ORT backward graph"]
     assert all("symbolic sizes" in message for message in _builds(caplog))
+
+
+def test_dynamic_true_gives_one_graph_from_the_first_call_for_every_length_and_the_last_smaller_batch(caplog):
+    """Dynamo alone makes a dim symbolic only once that dim has changed: lengths that vary under a constant batch,
+    then an epoch's smaller last batch, build three graphs (the third cost 25 s at GPT-2 small in
+    benchmarks/varlen.py). ``ORTModule(model, dynamic=True)``, as ``torch.compile``'s, builds one."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    shapes = [(4, 8), (4, 5), (4, 11), (4, 6), (3, 7), (2, 9)]  # the batch changes only at the end
+    batches = [lm_batches(1, batch=b, seq=s, seed=i)[0] for i, (b, s) in enumerate(shapes)]
+    with caplog.at_level(logging.INFO, logger="ort_trainer"):
+        losses = _train(ORTModule(model, dynamic=True), batches, lm_loss)
+    expected = _train(reference, batches, lm_loss)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    _assert_state_equal(model, reference)
+    assert _kinds(caplog) == ["ORT forward graph", "ORT backward graph"]
+    assert all("symbolic sizes" in message for message in _builds(caplog))
+    with pytest.raises(TypeError, match=r"dynamic must be None, True or False .*got 'yes'"):
+        ORTModule(model, dynamic="yes")
 
 
 class _Vision(torch.nn.Module):
