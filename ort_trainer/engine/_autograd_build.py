@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import onnx
 import torch
@@ -31,17 +30,14 @@ from ort_trainer.graph import explain_trace_failure, onnx_model_parameters
 from ort_trainer.graph.autograd import (
     LOSS_SCALE_INPUT,
     GraphCache,
-    GraphNames,
     OnnxModule,
     Precision,
     SymbolicShapesError,
     TracedGraph,
     TraceError,
-    constant_buffers,
     graph_cache_from_env,
     graph_to_onnx,
     onnx_model_problems,
-    quick_fingerprint,
     trace_graph,
 )
 
@@ -104,22 +100,11 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     # unless the exporter cannot keep them symbolic (then one graph per shape, said once: `_symbolic_or_static`)
     shapes = _Shapes({n: a for n, a in desc.dynamic_axes().items() if n in desc.input_names})
 
-    def build(feeds: Mapping[str, torch.Tensor] | None, training: bool, quick: bool = True) -> AutogradGraphs:
-        """The graphs for ``feeds`` (None: the first inputs); ``quick``: a cached graph found by its pre-key may
-        be returned before its trace, which then runs beside the first step (`AutogradGraphs.pending`)."""
+    def build(feeds: Mapping[str, torch.Tensor] | None, training: bool) -> AutogradGraphs:
+        """The graphs for ``feeds`` (None: the first inputs): traced, then loaded from the cache under the trace's
+        key (`_exported`), else exported and stored."""
         inputs = [first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
-        quick_key = None
-        if cache is not None:
-            fingerprint = quick_fingerprint(
-                request.model, request.loss_fn, desc, trainable, frozen, inputs, training=training, dynamic=shapes.axes
-            )
-            quick_key = cache.key(fingerprint, _cache_options(training, precision))
-            if quick:
-                state = (trainable, frozen, constants)
-                found = _found_by_pre_key(request, cache, quick_key, inputs, state, training, precision, shapes.axes)
-                if found is not None:
-                    return found
-        traced, model, key = shapes.trace_and_export(
+        traced, model = shapes.trace_and_export(
             lambda axes: trace_graph(
                 request.model,
                 request.loss_fn,
@@ -137,11 +122,6 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
                 constants.setdefault(name, value.detach().clone())
-        if cache is not None and quick_key is not None and key is not None:
-            try:
-                cache.put_alias(quick_key, key)
-            except OSError as error:
-                _log.warning("graph cache %s: could not store the graph's pre-key (%s)", cache.directory, error)
         return AutogradGraphs(model, traced.names(), dict(zip(desc.input_names, inputs, strict=True)))
 
     def explain(feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
@@ -152,29 +132,10 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
             explained.explained = True  # `diagnosis.explain_run_errors` passes it on as it is
         return explained
 
-    engine: Engine | None = None
-    noted: tuple[str, ...] = ()  # the unused inputs the user was told about
-
-    def adopt(graphs: AutogradGraphs) -> None:
-        """What the engine takes from its first training graph; again when that graph is rebuilt after its
-        verifying trace rejected the cached one (during the first step, before any update)."""
-        nonlocal noted
-        if tuple(graphs.names.unused_inputs) != noted:
-            noted = tuple(graphs.names.unused_inputs)
-            _note_unused_inputs(noted)
-        save_debug_graph(request, "model_with_gradient_graph_path", graphs.model)
-        save_debug_graph(request, "model_with_training_graph_path", graphs.model)
-        store.optimizer.set_idle(graphs.names.idle)
-        if graphs.names.idle:
-            _log.info("parameters the loss does not reach (never updated): %s", graphs.names.idle)
-        if engine is not None:
-            engine.output_types = _output_types(graphs.model)
-            engine.tracks_batches = bool(graphs.names.updated)
-
     progress = BuildProgress(2, "ORTTrainer build (autograd engine)")
     try:
         with progress.phase("trace and export the training graph"):
-            first = build(None, True, request.verify_beside_first_run)
+            first = build(None, True)
             report_fallbacks(first.model, precision, request.device.providers)
         with progress.phase("training session"):
             session = AutogradSession(
@@ -190,15 +151,19 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
                 request.session_options,
                 request.shrink_arena,
                 explain=explain,
-                adopt=adopt,
                 step_inputs=precision.extra_inputs(True),
             )
     except TraceError as error:
         raise _explained_trace_error(request, error, list(sample_inputs)) from error
-    adopt(first)
-    release_freed_memory(collect=first.pending is None)  # a traced graph leaves cycles; a cache hit leaves none
+    _note_unused_inputs(first.names.unused_inputs)
+    save_debug_graph(request, "model_with_gradient_graph_path", first.model)
+    save_debug_graph(request, "model_with_training_graph_path", first.model)
+    store.optimizer.set_idle(first.names.idle)
+    if first.names.idle:
+        _log.info("parameters the loss does not reach (never updated): %s", first.names.idle)
+    release_freed_memory()  # the trace leaves cycles
     progress.close()
-    engine = engine_for(  # every input is passed to the session, which feeds its graph those it reads
+    return engine_for(  # every input is passed to the session, which feeds its graph those it reads
         request,
         session,
         sample_inputs,
@@ -207,7 +172,6 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         tracks_batches=bool(first.names.updated),  # BatchNorm statistics are the buffers a forward writes
         loss_scale_input=LOSS_SCALE_INPUT if precision.loss_scale else None,
     )
-    return engine
 
 
 class _Shapes:
@@ -219,11 +183,11 @@ class _Shapes:
         self.axes = axes
         self._told: set[str] = set()
 
-    def trace_and_export(self, trace: Callable, export: Callable) -> tuple[TracedGraph, onnx.ModelProto, str | None]:
+    def trace_and_export(self, trace: Callable, export: Callable) -> tuple[TracedGraph, onnx.ModelProto]:
         """``trace(axes)`` then ``export(traced)``; traced again without symbolic dims where the export refuses them."""
         traced = trace(self.axes)
         try:
-            model, key = export(traced)
+            model = export(traced)
         except SymbolicShapesError as error:
             self._tell(
                 "fallback",
@@ -232,14 +196,14 @@ class _Shapes:
             )
             self.axes = {}
             traced = trace(self.axes)
-            model, key = export(traced)
+            model = export(traced)
         for dim in traced.specialised:
             self._tell(
                 dim.name,
                 f"model_desc names the dim {dim.name!r}, but the model's code makes it static (size {dim.size}, at "
                 f"{dim.where}): the autograd engine builds one graph per size of it",
             )
-        return traced, model, key
+        return traced, model
 
     def _tell(self, what: str, message: str) -> None:
         if what not in self._told:
@@ -257,7 +221,7 @@ def _note_unused_inputs(unused: Sequence[str]) -> None:
             f"model_desc inputs {list(unused)} are not used by the model (the traced graph does not read them); "
             "train_step and eval_step still accept them and ignore them",
             UserWarning,
-            stacklevel=8,
+            stacklevel=7,
         )
 
 
@@ -278,93 +242,31 @@ def _cache_options(training: bool, precision: Precision) -> dict[str, object]:
     return {"training": training, "opset": "exporter-default", **precision.cache_options()}
 
 
-def _found_by_pre_key(
-    request: BuildRequest,
-    cache: GraphCache,
-    quick_key: str,
-    inputs: list[torch.Tensor],
-    state: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]],
-    training: bool,
-    precision: Precision,
-    dynamic: Mapping[str, Mapping[int, str]],
-) -> AutogradGraphs | None:
-    """The cached graph that pre-key ``quick_key`` led to before, with the trace that verifies it started in a
-    thread (`AutogradGraphs.pending`). ``state``: the trainable and frozen tensors, and the constants dict the
-    graph's constant inputs are added to. None on a miss."""
-    trainable, frozen, constants = state
-    key = cache.alias(quick_key)
-    model = cache.get(key) if key is not None else None
-    if model is None:
-        return None
-    try:
-        names = GraphNames.from_json({p.key: p.value for p in model.metadata_props}[_METADATA])
-    except (KeyError, ValueError):
-        return None
-    desc, state = request.desc, set(trainable) | set(frozen)
-    wanted = [n for n in names.input_names[: names.state_count] if n not in state and n not in desc.input_names]
-    module_constants = constant_buffers(request.model, state)
-    if any(n not in module_constants for n in wanted):  # the module lost a buffer the graph reads: trace it
-        return None
-    for name in wanted:
-        constants.setdefault(name, module_constants[name].detach().clone())
-
-    def verify() -> bool:
-        """True when a trace of the model gives the graph the pre-key found."""
-        try:
-            traced = trace_graph(
-                request.model,
-                request.loss_fn,
-                desc,
-                trainable,
-                frozen,
-                inputs,
-                training=training,
-                precision=precision,
-                dynamic=dynamic,
-            )
-        except TraceError as error:
-            raise _explained_trace_error(request, error, inputs) from error
-        return cache.key(traced.fingerprint(), _cache_options(training, precision)) == key
-
-    _log.info(
-        "graph cache: %s graph found by the model's pre-key in %s; a trace verifies it beside the first step",
-        "training" if training else "eval",
-        cache.directory,
-    )
-    # ONNX Runtime releases the GIL while it runs, so the trace overlaps the first run; the worker ends with it
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ort_trainer-graph-verify")
-    pending = executor.submit(verify)
-    executor.shutdown(wait=False)  # not `with`: leaving it would wait for the trace here, before the run
-    return AutogradGraphs(model, names, dict(zip(desc.input_names, inputs, strict=True)), pending=pending)
-
-
-def _exported(
-    traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision
-) -> tuple[onnx.ModelProto, str | None]:
-    """The ONNX graph of ``traced`` and its cache key: from the cache when it holds this key (the finished graph's
-    names come with it, so the functionalising second trace is skipped), else finished, exported and stored."""
+def _exported(traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision) -> onnx.ModelProto:
+    """The ONNX graph of ``traced``: from the cache when it holds this key (the finished graph's names come with it,
+    so the functionalising second trace, the export and its passes are skipped), else finished, exported and
+    stored."""
     if cache is None:
-        return _export(traced), None
+        return _export(traced)
     key = cache.key(traced.fingerprint(), _cache_options(training, precision))
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(cache.building(key))
         except OSError as error:  # a read-only or full cache folder must not stop training
             _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
-            return _export(traced), None
+            return _export(traced)
         model = cache.get(key)
         metadata = {p.key: p.value for p in model.metadata_props} if model is not None else {}
         if _METADATA in metadata:
             traced.apply_metadata(metadata[_METADATA])
             _log.info("graph cache: %s graph loaded from %s", "training" if training else "eval", cache.directory)
-            return model, key
+            return model
         model = _export(traced)
         try:
             cache.put(key, model)
         except OSError as error:
             _log.warning("graph cache %s: could not store the graph (%s)", cache.directory, error)
-            return model, None
-        return model, key
+        return model
 
 
 def _export(traced: TracedGraph) -> onnx.ModelProto:

@@ -23,7 +23,6 @@ import logging
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import onnx
@@ -56,13 +55,11 @@ _log = logging.getLogger("ort_trainer")
 @dataclass
 class AutogradGraphs:
     """One input signature's exported graph, the names the trainer binds to it, and the user inputs it was
-    built for. ``pending``: a graph the cache found by its pre-key, whose verifying trace still runs (its
-    future's result is False when the trace gives another graph); the first run waits for it."""
+    built for."""
 
     model: onnx.ModelProto
     names: GraphNames
     inputs: dict[str, torch.Tensor]
-    pending: Future | None = None
 
 
 class _ShapeSession:
@@ -138,13 +135,12 @@ class AutogradSession:
     """The autograd engine's sessions over the trainer's buffers (same interface as `TrainingSession`)."""
 
     # The generator is seeded before every training run (`engine._step`; a microsecond), whether or not the graph
-    # of the moment draws: a graph built inside a step (a new shape, or one rebuilt after its verifying trace
-    # rejected the cached graph) that draws Dropout masks then draws this step's, as an uncached run does.
+    # of the moment draws: a graph built inside a step (a new shape) that draws Dropout masks then draws this step's.
     draws_randomness = True
 
     def __init__(
         self,
-        build: Callable[..., AutogradGraphs],
+        build: Callable[[Mapping[str, torch.Tensor] | None, bool], AutogradGraphs],
         first: AutogradGraphs,
         params: Mapping[str, torch.Tensor],
         grads: Mapping[str, torch.Tensor],
@@ -157,10 +153,9 @@ class AutogradSession:
         shrink_arena: bool = False,
         max_shapes: int = 4,
         explain: Callable[[Mapping[str, torch.Tensor], Exception], Exception | None] | None = None,
-        adopt: Callable[[AutogradGraphs], None] | None = None,
         step_inputs: Sequence[str] = (),
     ):
-        self._build, self._device, self._explain, self._adopt = build, device, explain, adopt
+        self._build, self._device, self._explain = build, device, explain
         self._session_options, self._user_outputs = session_options, list(user_outputs)
         self._params, self._grads, self._flat_grads = params, grads, flat_grads
         self._frozen, self._constants = frozen, constants
@@ -173,7 +168,6 @@ class AutogradSession:
         self._eval: OrderedDict[tuple, _ShapeSession] = OrderedDict()
         self._trimmed = False
         self._generator = torch.Generator(device=device.torch_device)
-        self._untrusted: set[tuple[bool, tuple]] = set()  # (training, signature): rebuilt without the pre-key
         self._unused = frozenset(first.names.unused_inputs)  # inputs the first graph does not read: not fed
         # graph inputs the step feeds beside the user's (the loss scale): every graph takes them, whatever the shapes
         self._step_inputs = frozenset(step_inputs)
@@ -188,20 +182,15 @@ class AutogradSession:
     # ---------------------------------------------------------------- the interface `engine._step` uses
     @property
     def train_input_names(self) -> list[str]:
-        if not self._train:  # the first graph was dropped by its verifying trace before it ran
-            self._session_for(self._train, self._first, training=True, inputs=None)
         return [i.name for i in next(iter(self._train.values())).session.get_inputs()]
 
     @property
     def eval_model(self) -> onnx.ModelProto:
         """The eval graph of the first input signature, constants as initializers (``save_as_onnx``)."""
-        self._settle_all()
         if self._eval:  # the most recent eval graph
             session = next(reversed(self._eval.values()))
         else:
             session = self._session_for(self._eval, self._first, training=False, inputs=None)
-            if not self._trusted(session, training=False):
-                session = self._session_for(self._eval, self._first, training=False, inputs=None)
         model = onnx.ModelProto()
         model.CopyFrom(session.graphs.model)
         names = {i.name for i in model.graph.input}
@@ -224,21 +213,13 @@ class AutogradSession:
 
     def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
         """One forward + backward; gradients overwrite the buffer (``reset_grad``) or are added to it."""
-        while True:  # twice at most: a cached graph that its verifying trace rejects is rebuilt and run again
-            shape = self._session_for(self._train, self._signature(inputs), training=True, inputs=inputs)
-            draws = self._generator.get_state() if shape.graphs.pending is not None else None
-            shape.fill_random(self._generator, self._sizes(inputs))
-            if reset_grad:
-                shape.bind_gradients(self._grads, "grads")
-            else:
-                shape.bind_gradients(self._scratch_targets(), "scratch")
-            outputs = self._run(shape, inputs, training=True)
-            if outputs is not None and self._trusted(shape, training=True):
-                break
-            if draws is not None:
-                self._generator.set_state(draws)  # the rerun draws the same Dropout masks
-            # the rejected graph may have written gradients of parameters the rebuilt one leaves idle
-            (self._flat_grads if reset_grad else self._scratch).zero_()
+        shape = self._session_for(self._train, self._signature(inputs), training=True, inputs=inputs)
+        shape.fill_random(self._generator, self._sizes(inputs))
+        if reset_grad:
+            shape.bind_gradients(self._grads, "grads")
+        else:
+            shape.bind_gradients(self._scratch_targets(), "scratch")
+        outputs = self._run(shape, inputs)
         if not reset_grad:
             self._flat_grads.add_(self._scratch)
         for name, output in shape.updated:
@@ -249,11 +230,9 @@ class AutogradSession:
         return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        while True:
-            shape = self._session_for(self._eval, self._signature(inputs), training=False, inputs=inputs)
-            outputs = self._run(shape, inputs, training=False)
-            if outputs is not None and self._trusted(shape, training=False):
-                return {name: outputs[name] for name in self._user_outputs if name in outputs}
+        shape = self._session_for(self._eval, self._signature(inputs), training=False, inputs=inputs)
+        outputs = self._run(shape, inputs)
+        return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     # ---------------------------------------------------------------- internals
     def _signature(self, inputs: Mapping[str, torch.Tensor]) -> tuple:
@@ -297,17 +276,14 @@ class AutogradSession:
         if found is not None:
             sessions.move_to_end(signature)
             return found
-        self._settle_all()  # one trace at a time: tracing switches the module's modes while it runs
         what = "training" if training else "eval"
         if sessions:
             _log.info("autograd engine: new input shapes %s, building the %s graph for them", signature, what)
         progress = BuildProgress(1, f"ORTTrainer {what} graph")
         with progress.phase(f"{what} graph for input shapes {[list(s) for _, s, _ in signature]}"):
-            graphs = self._build(inputs, training, (training, signature) not in self._untrusted)
+            graphs = self._build(inputs, training)
             found = _ShapeSession(self, graphs, training=training)
         progress.close()
-        if training and signature == self._first:  # the first graph again, after a trace rejected the cached one
-            signature = self._adopt_first(graphs)
         new_guards = [g for g in graphs.names.guards if g not in self._guards]
         if new_guards:  # an eval graph's own assumptions count too
             self._guards += new_guards
@@ -316,51 +292,6 @@ class AutogradSession:
         while len(sessions) > self._max_shapes:
             sessions.popitem(last=False)
         return found
-
-    def _adopt_first(self, graphs: AutogradGraphs) -> tuple:
-        """The first graph, rebuilt: what was taken from the rejected one (inputs left unfed, idle parameters,
-        output dtypes) is taken from it instead; its signature."""
-        self._unused = frozenset(graphs.names.unused_inputs)
-        self._dynamic = graphs.names.dynamic
-        self._guards, self._holds = list(graphs.names.guards), {}
-        self._first = _first_signature(graphs)
-        if self._adopt is not None:
-            self._adopt(graphs)
-        return self._first
-
-    def _trusted(self, shape: _ShapeSession, *, training: bool) -> bool:
-        """Wait for the verifying trace of a graph found by its pre-key. False when the trace gives another graph
-        (or fails): the session is dropped and the graph rebuilt from the trace. No pending trace: True."""
-        pending = shape.graphs.pending
-        if pending is None:
-            return True
-        shape.graphs.pending = None
-        sessions = self._train if training else self._eval
-        signature = next((key for key, value in sessions.items() if value is shape), None)
-        try:
-            verified = pending.result()
-        except BaseException:
-            self._distrust(sessions, signature, training)
-            raise  # the model no longer traces: what the trace said, as a cold build would
-        if not verified:
-            _log.warning(
-                "graph cache: the %s graph found by the model's pre-key is not the graph a trace of the model gives "
-                "(an edit the pre-key cannot see); rebuilding it from the trace",
-                "training" if training else "eval",
-            )
-            self._distrust(sessions, signature, training)
-        return verified
-
-    def _distrust(self, sessions: OrderedDict, signature: tuple | None, training: bool) -> None:
-        if signature is not None:
-            sessions.pop(signature)
-            self._untrusted.add((training, signature))
-
-    def _settle_all(self) -> None:
-        """Wait for every verifying trace still running (the graphs it rejects are dropped)."""
-        for training, sessions in ((True, self._train), (False, self._eval)):
-            for shape in list(sessions.values()):
-                self._trusted(shape, training=training)
 
     def _scratch_targets(self) -> dict[str, torch.Tensor]:
         """Views of a zeroed scratch buffer laid out like the flat gradient buffer (made once)."""
@@ -372,15 +303,11 @@ class AutogradSession:
                 self._scratch_views[name] = self._scratch[offset : offset + view.numel()].view(view.shape)
         return self._scratch_views
 
-    def _run(
-        self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor], *, training: bool
-    ) -> dict[str, torch.Tensor] | None:
-        """The run's outputs; None when it failed on a cached graph that its verifying trace then rejected."""
+    def _run(self, shape: _ShapeSession, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The run's outputs; a failed run explained by PyTorch on the same inputs where it can be."""
         try:
             return self._run_bound(shape, inputs)
         except Exception as error:  # noqa: BLE001 - ONNX Runtime's run errors: explained where PyTorch can
-            if not self._trusted(shape, training=training):  # (no eager run while a trace is running)
-                return None
             explained = self._explain(inputs, error) if self._explain is not None else None
             if explained is not None:
                 raise explained from error

@@ -182,10 +182,6 @@ class BuildRequest:
     horizontal: ModelParallel | None = None  # parallel.HorizontalParallel: Megatron segments instead of one session
     engine: str = "onnxblock"  # the graph source (`_sources.choose_engine`): "onnxblock" or "autograd"
     graph_cache: bool = True  # autograd engine: the on-disk cache of exported graphs (utils.graph_cache)
-    # autograd engine: a graph found by the cache's pre-key is verified by a trace beside the first run; off when
-    # the trainer runs the module eagerly right after the build (debug.check_model_export), which a trace must not
-    # overlap (tracing patches nn.Module.__call__ for the whole process)
-    verify_beside_first_run: bool = True
 
     @classmethod
     def from_state(cls, state: TrainerState) -> BuildRequest:
@@ -208,7 +204,6 @@ class BuildRequest:
             horizontal=state.horizontal,
             engine=state.engine_name,
             graph_cache=bool(options.utils.graph_cache),
-            verify_beside_first_run=not options.debug.check_model_export,
         )
 
 

@@ -1,7 +1,8 @@
 """The autograd engine's on-disk graph cache: hits for the same graph, misses for any change, atomic files
-shared by concurrent builders, a size bound, a switch, and rebuilt when a file is damaged. A resumed job
-finds its graph by a pre-key read off the module and runs its first step on it while a trace verifies it:
-a graph the trace rejects (an edit the pre-key cannot see) is rebuilt and the step run again on it."""
+shared by concurrent builders, a size bound, a switch, and rebuilt when a file is damaged. The engine always
+traces; a hit is found by the trace's full key and loaded without an export, in this process or a resumed one.
+A change that no cheaper key could see (a global the forward reads) is a new entry, right from the first step.
+Files older releases left in the folder (the pre-key's ``.alias`` files) are ignored and pruned."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def _files(folder):
     return sorted(p.name for p in folder.glob("*.onnx"))
 
 
+@contextlib.contextmanager
+def _no_export():
+    """Fails any export inside the block: what runs in it must come from the cache."""
+    from ort_trainer.engine import _autograd_build
+
+    real = _autograd_build.graph_to_onnx
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("exported although the graph is in the cache")
+
+    _autograd_build.graph_to_onnx = refuse
+    try:
+        yield
+    finally:
+        _autograd_build.graph_to_onnx = real
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     folder = tmp_path / "graphs"
@@ -58,14 +76,15 @@ def test_the_same_graph_is_loaded_and_any_change_is_a_new_entry(cache_dir, caplo
     first = _trained_loss()
     assert len(_files(cache_dir)) == 1 and "loaded from" not in caplog.text
     caplog.clear()
-    assert _trained_loss() == first  # the cached graph computes the same loss
-    assert "graph cache: training graph found by the model's pre-key" in caplog.text and len(_files(cache_dir)) == 1
-    assert "rebuilding" not in caplog.text
+    with _no_export():  # a second trainer on the same model: traced, then loaded under the trace's key
+        assert _trained_loss() == first  # the cached graph computes the same loss
+    assert "graph cache: training graph loaded from" in caplog.text and len(_files(cache_dir)) == 1
     _trained_loss(hidden=9)  # another model structure
     assert len(_files(cache_dir)) == 2
     caplog.clear()
-    _trained_loss(batch=5)  # another size of the named dim "batch": the same symbolic graph, found by its pre-key
-    assert len(_files(cache_dir)) == 2 and "found by the model's pre-key" in caplog.text
+    with _no_export():  # another size of the named dim "batch": the same symbolic graph
+        _trained_loss(batch=5)
+    assert len(_files(cache_dir)) == 2 and "graph cache: training graph loaded from" in caplog.text
     _trained_loss(batch=5, width=7)  # another size of a dim model_desc fixes: a new entry
     assert len(_files(cache_dir)) == 3
 
@@ -139,7 +158,30 @@ def test_processes_building_the_same_graph_at_once_share_one_file(cache_dir):
     assert not list(cache_dir.glob("*.tmp"))
 
 
-_ACTIVATION = {"now": torch.tanh}  # a global the forward reads: a change of it is invisible to the pre-key
+@pytest.mark.processes
+def test_a_resumed_process_loads_the_training_graph_without_exporting(cache_dir):
+    """Another process (a resumed job) on the graph this one stored: at the same batch size and at another size of
+    the named dim, the graph is loaded and never exported, and the losses are this process's."""
+    expected = {4: _trained_loss(), 5: _trained_loss(batch=5)}
+    script = textwrap.dedent(
+        f"""
+        import logging, sys
+        sys.path.insert(0, {str(REPO)!r})
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        from tests.engine.test_graph_cache import _no_export, _trained_loss
+        with _no_export():
+            print("LOSS", _trained_loss(), _trained_loss(batch=5))
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("graph cache: training graph loaded from") == 2, run.stdout
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("LOSS")]
+    assert [float(v) for v in line.split()[1:]] == [expected[4], expected[5]]
+    assert len(_files(cache_dir)) == 1
+
+
+_ACTIVATION = {"now": torch.tanh}  # a global the forward reads: only a trace sees a change of it
 
 
 class _Activated(torch.nn.Module):
@@ -173,44 +215,46 @@ def _activated_run(activation, steps=2, eval_first=False):
     return losses, evaluated, {k: v.clone() for k, v in trainer.state_dict()["model"]["full_precision"].items()}
 
 
-def test_a_graph_found_by_its_pre_key_is_verified_and_rebuilt_when_the_model_changed_unseen(
-    cache_dir, caplog, monkeypatch
-):
-    _activated_run(torch.tanh)  # fills the cache
-    assert len(list(cache_dir.glob("*.alias"))) == 1
+def _eager_eval_loss(activation):
+    """PyTorch's loss of `_activated_run`'s first batch on its untrained model, in eval mode (no Dropout)."""
+    torch.manual_seed(0)
+    _ACTIVATION["now"] = activation
+    model = _Activated().eval()
+    g = torch.Generator().manual_seed(1)
+    x, label = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(x), label))
+
+
+def test_a_change_only_a_trace_sees_is_a_new_entry_right_from_the_first_step(cache_dir, caplog, monkeypatch):
+    """The forward reads a global (an edit the removed pre-key could not see and rolled back after a stale first
+    step): the trace's key differs, so the changed model gets its own graphs, and its first eval and training
+    steps are PyTorch's and an uncached run's."""
+    tanh = _activated_run(torch.tanh, eval_first=True)  # fills the cache: an eval graph and a training graph
+    assert len(_files(cache_dir)) == 2
     caplog.set_level(logging.INFO, logger="ort_trainer")
-    # the same model again: the pre-key finds the graph, the trace agrees, nothing is rebuilt
-    again = _activated_run(torch.tanh)
-    assert "found by the model's pre-key" in caplog.text and "rebuilding" not in caplog.text
+    with _no_export():
+        again = _activated_run(torch.tanh, eval_first=True)  # the same model: both graphs loaded
+    assert caplog.text.count("graph cache: training graph loaded from") == 1
+    assert caplog.text.count("graph cache: eval graph loaded from") == 1
     caplog.clear()
-    # another activation: the same pre-key, another graph. The first step ran on the stale graph; its result is
-    # thrown away, the graph rebuilt from the trace, and the step run again with the same Dropout masks
-    changed = _activated_run(torch.sigmoid)
-    assert "found by the model's pre-key" in caplog.text and "rebuilding it from the trace" in caplog.text
-    caplog.clear()
+    changed = _activated_run(torch.sigmoid, eval_first=True)  # another activation: two new entries
+    assert "loaded from" not in caplog.text and len(_files(cache_dir)) == 4
     monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE", "0")  # the reference: built from the trace, no cache
-    fresh = _activated_run(torch.sigmoid)
-    fresh_tanh = _activated_run(torch.tanh)
-    assert changed[0] == fresh[0] and again[0] == fresh_tanh[0] and changed[0] != again[0]
+    fresh = _activated_run(torch.sigmoid, eval_first=True)
+    fresh_tanh = _activated_run(torch.tanh, eval_first=True)
+    assert changed[:2] == fresh[:2] and again[:2] == fresh_tanh[:2] == tanh[:2] and changed[0][0] != again[0][0]
+    assert changed[1] == pytest.approx(_eager_eval_loss(torch.sigmoid), rel=1e-5)
+    assert again[1] == pytest.approx(_eager_eval_loss(torch.tanh), rel=1e-5) and changed[1] != again[1]
     for name, value in fresh[2].items():
         torch.testing.assert_close(changed[2][name], value, rtol=0, atol=0)
-
-
-def test_an_eval_step_first_waits_for_the_training_graph_s_verifying_trace(cache_dir, caplog, monkeypatch):
-    first = _activated_run(torch.tanh, eval_first=True)
-    caplog.set_level(logging.WARNING, logger="ort_trainer")
-    changed = _activated_run(torch.sigmoid, eval_first=True)  # both graphs found by pre-key, both rejected
-    assert caplog.text.count("rebuilding it from the trace") == 2
-    monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE", "0")
-    fresh = _activated_run(torch.sigmoid, eval_first=True)
-    assert changed[:2] == fresh[:2] and changed[1] != first[1]
 
 
 def test_a_model_that_no_longer_traces_fails_its_first_step_and_leaves_the_trainer_as_it_was(cache_dir):
     _activated_run(torch.tanh)
     torch.manual_seed(0)
     _ACTIVATION["now"] = _data_dependent
-    model = _Activated()  # the same pre-key as the cached tanh model
+    model = _Activated()  # the same module as the cached tanh model: only the trace tells them apart
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _sgd_trainer(model)
     with pytest.raises(ValueError, match=r"could not trace .*test_graph_cache.py:\d+ \(return x if x.sum\(\) > 0"):
@@ -222,60 +266,52 @@ def test_a_model_that_no_longer_traces_fails_its_first_step_and_leaves_the_train
         trainer.train_step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
 
 
-def test_a_damaged_pre_key_file_is_dropped(cache_dir, caplog):
+def _leftover_aliases(folder, count=2, age=1000):
+    """``.alias`` files as older releases left them (a pre-key file naming a full key), the others damaged;
+    ``age`` seconds old (negative: newer than anything stored now)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{GraphCache.key(str(i), {})}.alias" for i in range(count)]
+    paths[0].write_text(GraphCache.key("graph", {}))
+    for path in paths[1:]:
+        path.write_bytes(b"\xffnot a key" * 1000)
+    when = time.time() - age
+    for path in paths:
+        os.utime(path, (when, when))
+    return paths
+
+
+def test_leftover_pre_key_files_are_ignored_and_pruned(cache_dir, caplog):
+    """A cache folder from a release with the pre-key: its ``.alias`` files are never read (the graph is found by
+    the trace's key), and the next store deletes them."""
     first = _trained_loss()
-    (alias,) = cache_dir.glob("*.alias")
-    alias.write_text("not a key")
-    caplog.set_level(logging.WARNING, logger="ort_trainer")
-    assert _trained_loss() == first
-    assert "dropping unreadable" in caplog.text and len(alias.read_text()) == 64
+    leftovers = _leftover_aliases(cache_dir)
+    caplog.set_level(logging.INFO, logger="ort_trainer")
+    with _no_export():
+        assert _trained_loss() == first
+    assert "graph cache: training graph loaded from" in caplog.text and "unreadable" not in caplog.text
+    assert all(path.exists() for path in leftovers)  # a hit writes nothing: they wait for the next store
+    _trained_loss(hidden=9)  # a new entry: stored, the folder trimmed
+    assert not list(cache_dir.glob("*.alias")) and len(_files(cache_dir)) == 2
 
 
-def _quick(model, inputs=None, training=True):
-    from ort_trainer.config.model_desc import validate_model_desc
-    from ort_trainer.graph.autograd import quick_fingerprint
-
-    desc = validate_model_desc(DESC, require_loss=True)
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    inputs = inputs or [torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)]
-    return quick_fingerprint(model, torch.nn.functional.cross_entropy, desc, params, {}, inputs, training=training)
-
-
-def test_the_pre_key_sees_structure_sizes_attributes_constants_and_shapes_but_not_weights():
-    torch.manual_seed(0)
-    model = _Activated()
-    key = _quick(model)
-    assert _quick(model) == key
-    with torch.no_grad():
-        model.first.weight.add_(1.0)  # the weights' values are inputs of the graph, not part of it
-    assert _quick(model) == key
-    assert _quick(model, [torch.zeros(5, 6), torch.zeros(5, dtype=torch.long)]) != key  # another batch size
-    assert _quick(model, training=False) != key
-    model.drop.p = 0.5  # a plain attribute: Dropout's probability
-    assert _quick(model) != key
-    model.drop.p = 0.3
-    model.register_buffer("table", torch.arange(3))  # a constant buffer: its value is baked into the graph
-    with_table = _quick(model)
-    assert with_table != key
-    model.table[0] = 7
-    assert _quick(model) != with_table
-    handle = model.first.register_forward_hook(lambda module, args, out: out * 2)
-    assert _quick(model) not in (key, with_table)
-    handle.remove()
-    key = _quick(model)
-    model._scale = 2.0  # a private plain attribute (an HF loss wrapper's factor)
-    assert _quick(model) != key
-    del model._scale
-    assert _quick(model) == key
-    model.activation = torch.tanh  # a function kept in an attribute
-    with_tanh = _quick(model)
-    model.activation = torch.sigmoid
-    with_sigmoid = _quick(model)
-    model.activation = _data_dependent
-    assert len({key, with_tanh, with_sigmoid, _quick(model)}) == 4
-    del model.activation
-    _ACTIVATION["now"] = torch.sigmoid  # a global the forward reads: not seen (the verifying trace catches it)
-    assert _quick(model) == key
+def test_leftover_pre_key_files_do_not_count_against_the_bound(tmp_path):
+    """The bound is kept over the graphs alone: an old, large ``.alias`` file never evicts a graph."""
+    cache = GraphCache(tmp_path, max_bytes=1)
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["y"])],
+            "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        )
+    )
+    cache.max_bytes = 2 * len(model.SerializeToString())
+    _leftover_aliases(tmp_path, count=3, age=-1000)  # each larger than the whole bound, and newer than any graph
+    keys = [GraphCache.key(str(i), {}) for i in range(2)]
+    cache.put(keys[0], model)
+    cache.put(keys[1], model)
+    assert cache.get(keys[0]) is not None and cache.get(keys[1]) is not None
+    assert sorted(p.suffix for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [".onnx", ".onnx"]
 
 
 def test_graph_names_round_trip_and_refuse_what_is_not_theirs():
@@ -297,16 +333,16 @@ def test_graph_names_round_trip_and_refuse_what_is_not_theirs():
             GraphNames.from_json(text)
 
 
-def test_check_model_export_traces_before_the_first_run_instead(cache_dir, caplog):
-    """``debug.check_model_export`` runs the module eagerly right after the build, which a trace in a thread must not
-    overlap: the cached graph is found by the full key of a trace made first."""
+def test_check_model_export_runs_on_a_cached_graph(cache_dir, caplog):
+    """``debug.check_model_export`` runs the module eagerly right after the build: on a graph loaded from the cache
+    too, with the loss of the run that stored it."""
     first = _trained_loss()
     caplog.set_level(logging.INFO, logger="ort_trainer")
     assert _trained_loss(debug={"check_model_export": True}) == first
-    assert "graph cache: training graph loaded from" in caplog.text and "pre-key" not in caplog.text
+    assert "graph cache: training graph loaded from" in caplog.text
 
 
-_SWITCH = {"weighted": False}  # a global the forward reads: no pre-key can see it
+_SWITCH = {"weighted": False}  # a global the forward reads: only a trace sees it
 
 
 class _Switched(torch.nn.Module):
@@ -350,17 +386,17 @@ def _switched_run(weighted):
 
 
 @pytest.mark.parametrize("cached, now", [(False, True), (True, False)], ids=["input-appears", "input-goes"])
-def test_a_rejected_graph_s_inputs_idle_parameters_and_gradients_follow_the_rebuilt_graph(
+def test_a_switched_model_gets_its_own_graph_with_its_inputs_idle_parameters_and_draws(
     cached, now, cache_dir, caplog, monkeypatch
 ):
-    """The graph found by the pre-key read other inputs, trained other parameters and drew other random numbers than
-    the trace's graph: the rebuilt graph is fed the inputs it reads, its idle parameters stay put, no stale gradient
-    is left behind, and its Dropout masks are the step's own (as in an uncached run)."""
+    """The cached graph of the same module read other inputs, trained other parameters and drew other random numbers
+    than the switched model's: the switched model gets its own graph, is fed the inputs it reads, its idle parameters
+    stay put, and its Dropout masks are the step's own, as in an uncached run."""
     try:
-        _switched_run(cached)  # fills the cache under the same pre-key
-        caplog.set_level(logging.WARNING, logger="ort_trainer")
+        _switched_run(cached)  # fills the cache with the other graph of the same module
+        caplog.set_level(logging.INFO, logger="ort_trainer")
         changed = _switched_run(now)
-        assert "rebuilding it from the trace" in caplog.text
+        assert "graph cache: training graph loaded from" not in caplog.text
         monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE", "0")
         fresh = _switched_run(now)
     finally:

@@ -20,9 +20,8 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
 * ``_symbolic``: symbolic dims, one graph for every size of the input dims ``model_desc`` names (the symbolic
   trace's fake inputs, its dim classes, the exporter's ``dynamic_shapes``, random draws sized per batch);
-* ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions;
-* ``_quick_key``: `quick_fingerprint`, the cache's pre-key read off the module without a trace (a resumed
-  job starts its first step on the cached graph while the trace that verifies it runs beside it).
+* ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions (a trace's
+  `TracedGraph.fingerprint`): a hit skips the export and its passes.
 """
 
 from __future__ import annotations
@@ -32,11 +31,10 @@ from ._decompositions import training_decompositions
 from ._onnx_module import OnnxModule, onnx_model_problems
 from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
 from ._precision import LOSS_SCALE_INPUT, Precision
-from ._quick_key import quick_fingerprint
 from ._random import RandomInput, lift_random_ops
 from ._symbolic import broken_guard, random_shape, signature_shape
 from ._to_onnx import graph_to_onnx
-from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, constant_buffers, trace_graph
+from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, trace_graph
 
 __all__ = [
     "DISABLED_ORT_OPTIMIZERS",
@@ -51,13 +49,11 @@ __all__ = [
     "TracedGraph",
     "broken_guard",
     "collapse_layout_chains",
-    "constant_buffers",
     "fold_zero_scatter_adds",
     "graph_cache_from_env",
     "graph_to_onnx",
     "lift_random_ops",
     "onnx_model_problems",
-    "quick_fingerprint",
     "random_shape",
     "signature_shape",
     "trace_graph",

@@ -31,7 +31,9 @@ __all__ = ["GraphCache", "graph_cache_from_env"]
 
 _log = logging.getLogger("ort_trainer")
 _SUFFIX = ".onnx"
-_ALIAS = ".alias"  # a pre-key's file: the full key its graph was last verified under (`GraphCache.alias`)
+# files older releases kept beside the graphs (the pre-key's ``<pre-key>.alias``, removed: docs/engines.md "Graph
+# cache"): never read, not counted against the bound, deleted when the folder is next trimmed
+_LEFTOVERS = (".alias",)
 # every package whose release can change an exported graph: the exporter is torch's, onnxscript's translations and
 # onnx-ir's passes (its optimizer runs on our graphs: `_to_onnx`)
 _VERSIONED = (
@@ -82,28 +84,6 @@ class GraphCache:
         self._write(self._path(key), model.SerializeToString())
         self._trim()
 
-    def alias(self, quick_key: str) -> str | None:
-        """The full key that the graph of pre-key ``quick_key`` (`quick_fingerprint`) was stored under, if any.
-
-        A pre-key only finds a candidate: the engine verifies it against the full key of a real trace."""
-        path = self._path(quick_key, _ALIAS)
-        try:
-            text = path.read_text(encoding="ascii").strip()
-        except (OSError, UnicodeDecodeError):
-            return None
-        if not _is_key(text):
-            _log.warning("graph cache: dropping unreadable %s", path)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            return None
-        return text
-
-    def put_alias(self, quick_key: str, key: str) -> None:
-        """Remember that pre-key ``quick_key`` leads to the graph of ``key`` (atomically, as `put`)."""
-        if not _is_key(key):
-            raise ValueError(f"graph cache key must be 64 hex digits, got {key!r}")
-        self._write(self._path(quick_key, _ALIAS), key.encode("ascii"))
-
     @contextlib.contextmanager
     def building(self, key: str) -> Iterator[None]:
         """Hold the key's lock while building it: other processes building the same graph wait, then hit."""
@@ -128,14 +108,18 @@ class GraphCache:
                 os.unlink(temp)
             raise
 
-    def _path(self, key: str, suffix: str = _SUFFIX) -> Path:
+    def _path(self, key: str) -> Path:
         if not _is_key(key):
             raise ValueError(f"graph cache key must be 64 hex digits, got {key!r}")
-        return self.directory / f"{key}{suffix}"
+        return self.directory / f"{key}{_SUFFIX}"
 
     def _trim(self) -> None:
+        for suffix in _LEFTOVERS:
+            for path in self.directory.glob(f"*{suffix}"):
+                with contextlib.suppress(OSError):
+                    path.unlink()
         entries = []
-        for path in (*self.directory.glob(f"*{_SUFFIX}"), *self.directory.glob(f"*{_ALIAS}")):
+        for path in self.directory.glob(f"*{_SUFFIX}"):
             with contextlib.suppress(OSError):
                 stat = path.stat()
                 entries.append((stat.st_mtime, stat.st_size, path))

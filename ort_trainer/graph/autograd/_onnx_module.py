@@ -21,10 +21,8 @@ BatchNorm, and its ``torchvision`` requirement did not import beside torch 2.13+
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Collection, Mapping
 
-import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
@@ -84,7 +82,6 @@ class OnnxModule(torch.nn.Module):
             computed = static and proto.op_type not in _SHAPE_OPS  # a shape is read off the (fake) tensor
             self._onnx_nodes.append((OnnxNode.from_proto(proto, opset, index), proto if computed else None))
         self._onnx_opset = opset
-        self._onnx_digest = _structure_digest(model, kept)  # a plain attribute: the graph cache's pre-key reads it
         for name in self._onnx_state:
             *path, leaf = name.split(".")
             holder = self
@@ -173,18 +170,3 @@ def _path_problems(names: list[str]) -> list[str]:
         f"initializer names that cannot be torch parameter names {bad} (an empty part between dots, a name that "
         "is also the prefix of another, or a part that is an attribute of torch.nn.Module): rename them"
     ]
-
-
-def _structure_digest(model: onnx.ModelProto, state: Collection[str]) -> str:
-    """sha256 of the graph without the state's values: nodes, inputs, outputs, constant initializers."""
-    digest = hashlib.sha256()
-    for node in model.graph.node:
-        digest.update(node.SerializeToString(deterministic=True))
-    for value in (*model.graph.input, *model.graph.output):
-        digest.update(value.SerializeToString(deterministic=True))
-    for init in model.graph.initializer:
-        digest.update(init.name.encode())
-        if init.name not in state:
-            digest.update(np.ascontiguousarray(numpy_helper.to_array(init)).tobytes())
-    digest.update(repr([(o.domain, o.version) for o in model.opset_import]).encode())
-    return digest.hexdigest()

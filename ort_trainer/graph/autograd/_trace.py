@@ -47,7 +47,6 @@ __all__ = [
     "SymbolicShapesError",
     "TraceError",
     "TracedGraph",
-    "constant_buffers",
     "trace_graph",
 ]
 
@@ -306,7 +305,7 @@ def trace_graph(
         known = set(trainable) | set(frozen)
         # every other buffer (ints, and float buffers outside the state dict: non-persistent ones such as rotary
         # inv_freq) enters as an input too, so that tracing never touches a real tensor of the module
-        constants = _constant_buffers(plain, known)
+        constants = {n: b for n, b in plain.named_buffers() if n not in known}
         names = [*trainable, *frozen, *constants]
         clash = sorted(set(names) & set(desc.input_names))
         if clash:
@@ -352,17 +351,6 @@ def trace_graph(
         symbolic=symbolic,
         _pending=(what, list(frozen), training),
     )
-
-
-def constant_buffers(model: torch.nn.Module, known: set[str]) -> dict[str, torch.Tensor]:
-    """The buffers of ``model`` that are not in ``known`` (the trainer's state): the graph's constant inputs
-    (int buffers, non-persistent float ones such as rotary ``inv_freq``), by the names `trace_graph` gives them."""
-    with plain_module(outer_module(model)) as plain:
-        return _constant_buffers(plain, known)
-
-
-def _constant_buffers(plain: torch.nn.Module, known: set[str]) -> dict[str, torch.Tensor]:
-    return {n: b for n, b in plain.named_buffers() if n not in known}
 
 
 def _graph_function(wrapper, desc: ModelDescription, state_names, training: bool, precision: Precision):
