@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -89,6 +90,7 @@ CONTENDERS = (
 )  # fmt: skip
 DEFAULT_CONTENDERS = "pytorch,pytorch_sdpa,compile_dynamic,ort_trainer,ortmodule"
 EAGER = ("pytorch", "pytorch_sdpa")
+DYNAMO = ("compile_dynamic", "ortmodule", "ortmodule_marked", "compile_ort")
 SECTIONS = ("speed", "memory")
 LENGTHS = tuple(range(32, 129, 8))  # 13 token counts an example may have
 PAD_ID = 0
@@ -256,6 +258,8 @@ def build(name: str, args, first: tuple, builds: Builds) -> tuple:
     spec, _, _ = model_spec(args.model, args.batch, "sdpa" if name.endswith("_sdpa") else "eager")
     torch.manual_seed(0)
     model = spec.make()
+    if name in DYNAMO:
+        _own_forward(model, name)
     keep = None
     with builds.running(name, 0, first):
         start = time.perf_counter()
@@ -301,6 +305,16 @@ def _ort_trainer(spec: ModelSpec, model: torch.nn.Module, threads: int):
         options={"utils": {"grad_norm_clip": False}, "session_options": options},
     )
     return (lambda batch: trainer.train_step(*batch)), trainer
+
+
+def _own_forward(model: torch.nn.Module, name: str) -> None:
+    """Give ``model`` a ``forward`` of its own code object (the same code, renamed): Dynamo keeps its compiled
+    graphs, and matches later calls to them, per code object, and its guards do not tell two instances of a class
+    apart (their parameters are graph inputs), so one contender would run, or skip, another's graphs."""
+    cls = type(model)
+    code = cls.forward.__code__.replace(co_name=f"forward_{name}")
+    forward = types.FunctionType(code, cls.forward.__globals__, code.co_name, None, cls.forward.__closure__)
+    model.__class__ = type(f"{cls.__name__}_{name}", (cls,), {"forward": forward})
 
 
 def _marked(forward):
