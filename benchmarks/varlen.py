@@ -230,6 +230,14 @@ class Builds:
         log = logging.getLogger("ort_trainer")
         log.addHandler(Handler())
         log.setLevel(logging.INFO)
+
+        class Recompiles(logging.Handler):
+            def emit(self, record):
+                if "Recompiling" in record.getMessage():
+                    builds.note("dynamo", " ".join(record.getMessage().split()))
+
+        torch._logging.set_logs(recompiles=True)  # Dynamo says which guard failed (also on stderr)
+        logging.getLogger("torch._dynamo").addHandler(Recompiles())
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
@@ -550,7 +558,8 @@ def print_details(speed: dict) -> None:
             print(f"- {name}: Dynamo captured {row['dynamo_graphs']} graphs")
         for message in row["messages"]:
             shape = "x".join(map(str, message["shape"]))
-            print(f"  - {name} step {message['step'] + 1} ({shape}) {message['level']}: {message['message'][:400]}")
+            text = " ".join(message["message"].split())[:400]
+            print(f"  - {name} step {message['step'] + 1} ({shape}) {message['level']}: {text}")
     eager = speed.get("pytorch")
     if eager:
         for name, row in speed.items():
