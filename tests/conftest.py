@@ -147,6 +147,8 @@ SLOW_TESTS = frozenset(
         "engine/test_symbolic_shapes.py::test_gradient_accumulation_over_batches_of_different_lengths_equals_torch",
         # 22 s (MLP, CNN with BatchNorm, Embedding/LayerNorm/reshape; the MLP alone runs in `make test` too)
         "engine/test_onnx_model_engines.py::test_an_onnx_model_trains_on_the_autograd_engine_as_pytorch_trains_its_source",
+        # benchmarks/varlen.py at a tiny size: two cold builds (~35 s at load 2, ~60 s at load 5)
+        "package/test_benchmark_varlen.py::test_ort_trainer_and_ortmodule_build_one_graph_per_mode_and_train_as_pytorch",
     }
 )
 # `make test-latest`: a representative selection run in a fresh venv with the newest releases the declared ranges
