@@ -151,6 +151,8 @@ SLOW_TESTS = frozenset(
         # 2 x 30 s (two ranks, a GPT-2 trace each)
         "distributed/test_varlen_ranks.py::test_ranks_with_batches_of_different_lengths_train_one_graph_each_and_equal_torch",
         "hf/test_shapes.py::test_classifier_with_data_collator_with_padding_uses_one_graph_for_every_batch",  # 30 s
+        # benchmarks/varlen.py at a tiny size: two cold builds (~35 s at load 2, ~60 s at load 5)
+        "package/test_benchmark_varlen.py::test_ort_trainer_and_ortmodule_build_one_graph_per_mode_and_train_as_pytorch",
     }
 )
 # `make test-latest`: a representative selection run in a fresh venv with the newest releases the declared ranges

@@ -1,0 +1,47 @@
+"""``benchmarks/varlen.py`` runs, shortened: a tiny GPT-2 on batches that transformers' collator padded to several
+lengths (the last batch smaller), ORTTrainer and ORTModule beside eager PyTorch. From its --json: each built one
+graph per mode for every shape, and both trained as PyTorch did at every step.
+
+ORTModule runs as ``ortmodule_marked`` (its inputs' dims marked with ``torch._dynamo.mark_dynamic``): unmarked,
+Dynamo's first graph has the first call's static shapes, and it compiles a symbolic one when the length first
+changes and another when the batch size does (3 forward and backward pairs, ~25 s each at GPT-2 small: the
+benchmark's table and docs/engines.md, "Variable-length batches"), which would triple this test's time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.paths import REPO
+
+CONTENDERS = ("pytorch", "ort_trainer", "ortmodule_marked")
+
+
+@pytest.mark.processes
+def test_ort_trainer_and_ortmodule_build_one_graph_per_mode_and_train_as_pytorch(tmp_path):
+    out = tmp_path / "varlen.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "varlen.py"), "--model", "gpt2-tiny", "--steps", "5"]
+    command += ["--contenders", ",".join(CONTENDERS), "--sections", "speed", "--json", str(out)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"exit code {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "| ort_trainer |" in result.stdout and "command: " in result.stdout, result.stdout
+    report = json.loads(out.read_text())
+
+    shapes = [tuple(s) for s in report["shapes"]]
+    assert len(set(shapes)) >= 3 and len({b for b, _ in shapes}) == 2, shapes  # lengths vary; the last batch is smaller
+    speed = report["speed"]
+    assert speed["ort_trainer"]["builds"] == {"training graph": 1}, speed["ort_trainer"]["build_events"]
+    assert speed["ortmodule_marked"]["builds"] == {"forward": 1, "backward": 1}, speed["ortmodule_marked"]
+    assert speed["ortmodule_marked"]["dynamo_graphs"] == 1
+    for name in ("ort_trainer", "ortmodule_marked"):
+        assert report["summary"][name]["goals"]["builds"], report["summary"][name]
+    reference = speed["pytorch"]["losses"]
+    assert len(reference) == len(shapes)
+    for name in ("ort_trainer", "ortmodule_marked"):
+        losses = speed[name]["losses"]
+        assert len(losses) == len(reference), name
+        for step, (ours, theirs) in enumerate(zip(losses, reference, strict=True)):
+            assert abs(ours - theirs) <= 1e-4, f"{name} step {step} ({shapes[step]}): {ours} vs pytorch {theirs}"
