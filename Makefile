@@ -44,11 +44,11 @@ $(OB_STAMP): requirements-onnxblock.txt setup.py
 # `make test-hf` runs the long ort_trainer.hf comparisons; `make test-onnxblock` runs the suite and the zoo
 # in the onnxruntime-training venv (CI runs all five).
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "not slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
 
 # CI's one session for the four long targets below (one collection; workers stay busy to the end)
 test-long: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "$(LONG) and not install and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) --durations=25 -m "$(LONG) and not install and $(STOCK)" tests
 
 # the tests of the main suite that take over ~10 s each (tests/conftest.py SLOW_TESTS)
 test-slow: $(STAMP)
