@@ -102,6 +102,14 @@ def host_stamp() -> str:
     )
 
 
+def status_kb(key: str) -> int:
+    """A ``/proc/self/status`` figure in KiB (``VmHWM``: peak RSS, ``VmRSS``: RSS now, ``RssAnon``...)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
 def print_host_stamp() -> None:
     """Print `host_stamp` and a blank line: the first lines of every benchmark's output."""
     print(host_stamp() + "\n", flush=True)

@@ -41,7 +41,15 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import BareOrt, compiled_step, ort_trainer_step, print_host_stamp, session_options, torch_step
+from benchmarks._common import (
+    BareOrt,
+    compiled_step,
+    ort_trainer_step,
+    print_host_stamp,
+    session_options,
+    status_kb,
+    torch_step,
+)
 from benchmarks._hf import bert_spec, gpt2_spec
 
 CONTENDERS = ("pytorch", "pytorch_sdpa", "compile", "ort_trainer", "ort_api")
@@ -191,19 +199,12 @@ def rss_child(args) -> None:
     step, keep = build(spec_for, model_name, name, args)
     batches = spec_for("eager").batches(2)
     step(batches[1])
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter (VmHWM) to the current RSS
     for i in range(args.steps):
         step(batches[i % 2])
-    print(f"RSS {before} {_status_kb('VmHWM')} {_status_kb('RssAnon')} {_status_kb('RssFile')}")
+    print(f"RSS {before} {status_kb('VmHWM')} {status_kb('RssAnon')} {status_kb('RssFile')}")
     del keep
-
-
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def run_memory(args) -> None:

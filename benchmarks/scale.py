@@ -66,6 +66,7 @@ from benchmarks._common import (
     host_stamp,
     ort_trainer_step,
     session_options,
+    status_kb,
     torch_step,
     wrapped_step,
 )
@@ -226,16 +227,10 @@ def child(args) -> None:
         step(batches[i % 2])
         times.append(time.perf_counter() - start)
     gc.collect()
-    result = {"build_s": seconds, "step_s": statistics.median(times), "peak": _kb("VmHWM"), "steady": _kb("VmRSS")}
+    result = {"build_s": seconds, "step_s": statistics.median(times)}
+    result |= {"peak": status_kb("VmHWM"), "steady": status_kb("VmRSS")}
     print("RESULT " + json.dumps(result), flush=True)
     del keep
-
-
-def _kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def run_children(args) -> dict:

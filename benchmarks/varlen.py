@@ -83,6 +83,7 @@ from benchmarks._common import (
     ModelSpec,
     host_stamp,
     set_torch_threads,
+    status_kb,
     torch_step,
     wrapped_step,
 )
@@ -414,7 +415,8 @@ def child(args) -> None:
     for later in batches[1:]:
         step(later)
     gc.collect()
-    result = {"build_s": seconds, "peak": _kb("VmHWM"), "steady": _kb("VmRSS"), "shape": list(batches[0][0].shape)}
+    result = {"build_s": seconds, "peak": status_kb("VmHWM"), "steady": status_kb("VmRSS")}
+    result["shape"] = list(batches[0][0].shape)
     print("RESULT " + json.dumps(result), flush=True)
     del keep
     shutil.rmtree(cache, ignore_errors=True)
@@ -422,13 +424,6 @@ def child(args) -> None:
 
 def spec_family(name: str) -> str:
     return MODELS[name][0]
-
-
-def _kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def run_children(args) -> dict:
