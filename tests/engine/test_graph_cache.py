@@ -421,3 +421,18 @@ def test_every_exporter_package_version_is_part_of_the_key(monkeypatch):
     monkeypatch.setattr(_cache.metadata, "version", real)
     baseline = GraphCache.key("f" * 64, {"training": True})
     assert all(key != baseline for key in keys.values()), keys
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc"])
+def test_a_bad_bound_names_the_variable_the_value_the_unit_and_how_to_turn_the_cache_off(value, monkeypatch):
+    """``ORT_TRAINER_GRAPH_CACHE_MB`` not a positive number: the error says which variable, what it held, that it
+    counts MiB and must be > 0, and that ``ORT_TRAINER_GRAPH_CACHE=0`` is how to turn the cache off."""
+    from ort_trainer.graph.autograd import graph_cache_from_env
+
+    monkeypatch.delenv("ORT_TRAINER_GRAPH_CACHE", raising=False)
+    monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE_MB", value)
+    with pytest.raises(ValueError) as raised:
+        graph_cache_from_env()
+    message = str(raised.value)
+    for part in ("ORT_TRAINER_GRAPH_CACHE_MB", repr(value), "MiB", "> 0", "ORT_TRAINER_GRAPH_CACHE=0"):
+        assert part in message, message
