@@ -150,7 +150,12 @@ def graph_cache_from_env(enabled: bool = True) -> GraphCache | None:
     try:
         megabytes = int(text)
     except ValueError:
-        raise ValueError(f"ORT_TRAINER_GRAPH_CACHE_MB must be an integer number of MiB, got {text!r}") from None
+        megabytes = 0
+    if megabytes <= 0:  # a zero bound would evict every graph as it is stored: say how to turn the cache off instead
+        raise ValueError(
+            f"ORT_TRAINER_GRAPH_CACHE_MB must be an integer number of MiB > 0, got {text!r} "
+            "(to turn the graph cache off, set ORT_TRAINER_GRAPH_CACHE=0)"
+        )
     return GraphCache(directory, megabytes << 20)
 
 
