@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import time
 import onnx
 import pytest
 import torch
+from onnx import numpy_helper
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.graph.autograd import GraphCache
@@ -436,3 +438,55 @@ def test_a_bad_bound_names_the_variable_the_value_the_unit_and_how_to_turn_the_c
     message = str(raised.value)
     for part in ("ORT_TRAINER_GRAPH_CACHE_MB", repr(value), "MiB", "> 0", "ORT_TRAINER_GRAPH_CACHE=0"):
         assert part in message, message
+
+
+def _weights_equal(ran, reference):
+    """The final weights of two `_activated_run`s, bit for bit."""
+    assert ran[2].keys() == reference[2].keys()
+    for name, value in reference[2].items():
+        torch.testing.assert_close(ran[2][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_flipped_bit_in_a_cached_constant_is_a_miss_and_the_graph_is_rebuilt(cache_dir, caplog):
+    """One bit of a float constant flipped in the stored graph: the file still parses and the graph still runs, with
+    the constant negated. Its sha256 no longer matches, so the entry is dropped with a warning and rebuilt, and three
+    steps end on the weights of the run that exported the graph (nothing read from the cache)."""
+    exported = _activated_run(torch.tanh, steps=3)
+    (path,) = cache_dir.glob("*.onnx")
+    data = bytearray(path.read_bytes())
+    constant = next(
+        t
+        for t in onnx.load_from_string(bytes(data)).graph.initializer
+        if t.data_type == onnx.TensorProto.FLOAT and t.raw_data and numpy_helper.to_array(t).any()
+    )
+    blob = constant.SerializeToString()
+    high = data.find(blob) + blob.rfind(constant.raw_data) + len(constant.raw_data) - 1  # little-endian: sign byte
+    data[high] ^= 0x80
+    path.write_bytes(bytes(data))
+    (flipped,) = [t for t in onnx.load(path).graph.initializer if t.name == constant.name]  # still parses
+    assert numpy_helper.to_array(flipped).reshape(-1)[-1] == -numpy_helper.to_array(constant).reshape(-1)[-1]
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    _weights_equal(_activated_run(torch.tanh, steps=3), exported)
+    assert "graph cache: dropping" in caplog.text and "sha256" in caplog.text, caplog.text
+    assert GraphCache(cache_dir).get(path.stem) is not None  # rebuilt: the new file verifies
+
+
+def test_another_models_graph_copied_under_this_key_is_a_miss_and_the_graph_is_rebuilt(cache_dir, caplog):
+    """The relu model's graph copied over the tanh model's entry: the same inputs, parameter names and shapes, so it
+    would load and train relu. (The relu graph is the tanh graph with its Tanh node made Relu, stored by the cache
+    under another key: a sound entry of that key, made without a third export.) Each entry's sha256 covers its key,
+    so the copy is dropped with a warning and the tanh graph rebuilt: three steps end on the weights of the run that
+    exported it."""
+    exported = _activated_run(torch.tanh, steps=3)
+    (tanh_path,) = cache_dir.glob("*.onnx")
+    relu = onnx.load(tanh_path)
+    (node,) = [n for n in relu.graph.node if n.op_type == "Tanh"]
+    node.op_type = "Relu"
+    relu_key = GraphCache.key("the relu model", {})
+    GraphCache(cache_dir).put(relu_key, relu)
+    shutil.copyfile(cache_dir / f"{relu_key}.onnx", tanh_path)
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    _weights_equal(_activated_run(torch.tanh, steps=3), exported)
+    assert "graph cache: dropping" in caplog.text and "sha256" in caplog.text, caplog.text
+    ops = {n.op_type for n in onnx.load(tanh_path).graph.node}
+    assert "Tanh" in ops and "Relu" not in ops  # rebuilt: the tanh graph again
