@@ -109,6 +109,16 @@ def test_a_damaged_file_is_dropped_and_rebuilt(cache_dir, caplog):
     onnx.load(path)  # rewritten whole
 
 
+def _stored_size(model, folder):
+    """The bytes ``model`` takes in a cache folder (its graph and the digest that ends it), measured in ``folder``,
+    which is then removed."""
+    key = GraphCache.key("probe", {})
+    GraphCache(folder).put(key, model)
+    size = (folder / f"{key}.onnx").stat().st_size
+    shutil.rmtree(folder)
+    return size
+
+
 def test_the_folder_stays_under_its_bound_least_recently_used_first(tmp_path):
     cache = GraphCache(tmp_path, max_bytes=1)
     model = onnx.helper.make_model(
@@ -119,7 +129,7 @@ def test_the_folder_stays_under_its_bound_least_recently_used_first(tmp_path):
             [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
         )
     )
-    size = len(model.SerializeToString())
+    size = _stored_size(model, tmp_path / "probe")
     cache.max_bytes = 2 * size
     keys = [GraphCache.key(str(i), {}) for i in range(3)]
     cache.put(keys[0], model)
@@ -307,7 +317,7 @@ def test_leftover_pre_key_files_do_not_count_against_the_bound(tmp_path):
             [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
         )
     )
-    cache.max_bytes = 2 * len(model.SerializeToString())
+    cache.max_bytes = 2 * _stored_size(model, tmp_path / "probe")
     _leftover_aliases(tmp_path, count=3, age=-1000)  # each larger than the whole bound, and newer than any graph
     keys = [GraphCache.key(str(i), {}) for i in range(2)]
     cache.put(keys[0], model)

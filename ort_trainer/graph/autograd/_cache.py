@@ -6,8 +6,12 @@ dtypes, constant values (`TracedGraph.fingerprint`), the build options, and the 
 onnxscript, onnx, onnxruntime and ort_trainer; a changed model or library never reuses a stale graph.
 Files are written to a temporary name and renamed (a reader never sees half a file), one process builds
 a given key while the others wait on an ``flock`` (released by the kernel if that process dies), a file
-that does not parse is dropped and rebuilt, and the folder is kept under a size bound by deleting the
-least recently used files. Environment: ``ORT_TRAINER_GRAPH_CACHE=0`` turns it off,
+that does not parse or does not verify is dropped and rebuilt, and the folder is kept under a size bound by
+deleting the least recently used files. Each file ends with sha256 of its key and its content (`_seal`), checked
+on every load: a damaged file, or another graph's file copied under this key, is a miss (a warning), never a
+graph that trains wrong numbers. This catches accidents, not someone who can write to the folder (they can write
+a matching digest too): the folder is a trust boundary (docs/engines.md, "Graph cache").
+Environment: ``ORT_TRAINER_GRAPH_CACHE=0`` turns it off,
 ``ORT_TRAINER_GRAPH_CACHE_DIR`` moves it (default ``$XDG_CACHE_HOME/ort_trainer/graphs``, else
 ``~/.cache/ort_trainer/graphs``), ``ORT_TRAINER_GRAPH_CACHE_MB`` bounds it (default 2048).
 """
@@ -31,6 +35,8 @@ __all__ = ["GraphCache", "graph_cache_from_env"]
 
 _log = logging.getLogger("ort_trainer")
 _SUFFIX = ".onnx"
+# the ``metadata_props`` entry each file ends with (`_seal`): sha256 of the entry's key and of the bytes before it
+_DIGEST = "ort_trainer.graph_cache.sha256"
 # files older releases kept beside the graphs (the pre-key's ``<pre-key>.alias``, removed: docs/engines.md "Graph
 # cache"): never read, not counted against the bound, deleted when the folder is next trimmed
 _LEFTOVERS = (".alias",)
@@ -60,14 +66,18 @@ class GraphCache:
         return digest.hexdigest()
 
     def get(self, key: str) -> onnx.ModelProto | None:
-        """The cached graph, or None (missing, or unreadable: then deleted so that it is rebuilt)."""
+        """The cached graph, or None (missing, or unreadable or not verified by its digest: then deleted so that it
+        is rebuilt)."""
         path = self._path(key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
+        body, seal = data[:-_SEAL_SIZE], data[-_SEAL_SIZE:]
         try:
-            model = onnx.load_from_string(data)
+            if len(data) <= _SEAL_SIZE or seal != _seal(key, body):
+                raise ValueError("its sha256 does not match its content and key: damaged, or another graph's file")
+            model = onnx.load_from_string(body)
             if not model.graph.output:
                 raise ValueError("no outputs")
         except Exception as error:  # noqa: BLE001 - any unreadable file is a miss, logged
@@ -80,8 +90,10 @@ class GraphCache:
         return model
 
     def put(self, key: str, model: onnx.ModelProto) -> None:
-        """Write atomically (temporary file + rename), then trim the folder to its bound."""
-        self._write(self._path(key), model.SerializeToString())
+        """Write atomically (temporary file + rename), sealed with its key's digest, then trim the folder to its
+        bound."""
+        body = model.SerializeToString()
+        self._write(self._path(key), body + _seal(key, body))
         self._trim()
 
     @contextlib.contextmanager
@@ -132,6 +144,18 @@ class GraphCache:
                 path.with_suffix(".lock").unlink(missing_ok=True)
                 total -= size
                 _log.info("graph cache: evicted %s (%d bytes) to stay under %d bytes", path.name, size, self.max_bytes)
+
+
+def _seal(key: str, body: bytes) -> bytes:
+    """The bytes that end the entry ``key`` whose graph is ``body``: one ``metadata_props`` entry holding sha256 of
+    the key and the body. Appended protobuf fields merge into the message, so the file stays an ONNX model; the key
+    is in the digest so that a file copied from another key does not verify. Always `_SEAL_SIZE` bytes long."""
+    digest = hashlib.sha256(key.encode() + b"\0" + body).hexdigest()
+    entry = onnx.StringStringEntryProto(key=_DIGEST, value=digest)
+    return onnx.ModelProto(metadata_props=[entry]).SerializeToString()
+
+
+_SEAL_SIZE = len(_seal("0" * 64, b""))
 
 
 def _is_key(text: str) -> bool:
