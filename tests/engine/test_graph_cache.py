@@ -7,9 +7,12 @@ Files older releases left in the folder (the pre-key's ``.alias`` files) are ign
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import pathlib
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -109,6 +112,18 @@ def test_a_damaged_file_is_dropped_and_rebuilt(cache_dir, caplog):
     onnx.load(path)  # rewritten whole
 
 
+def _identity_model():
+    """The smallest graph worth storing: y = x."""
+    return onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["y"])],
+            "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        )
+    )
+
+
 def _stored_size(model, folder):
     """The bytes ``model`` takes in a cache folder (its graph and the digest that ends it), measured in ``folder``,
     which is then removed."""
@@ -121,14 +136,7 @@ def _stored_size(model, folder):
 
 def test_the_folder_stays_under_its_bound_least_recently_used_first(tmp_path):
     cache = GraphCache(tmp_path, max_bytes=1)
-    model = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [onnx.helper.make_node("Identity", ["x"], ["y"])],
-            "g",
-            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
-        )
-    )
+    model = _identity_model()
     size = _stored_size(model, tmp_path / "probe")
     cache.max_bytes = 2 * size
     keys = [GraphCache.key(str(i), {}) for i in range(3)]
@@ -309,14 +317,7 @@ def test_leftover_pre_key_files_are_ignored_and_pruned(cache_dir, caplog):
 def test_leftover_pre_key_files_do_not_count_against_the_bound(tmp_path):
     """The bound is kept over the graphs alone: an old, large ``.alias`` file never evicts a graph."""
     cache = GraphCache(tmp_path, max_bytes=1)
-    model = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [onnx.helper.make_node("Identity", ["x"], ["y"])],
-            "g",
-            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
-        )
-    )
+    model = _identity_model()
     cache.max_bytes = 2 * _stored_size(model, tmp_path / "probe")
     _leftover_aliases(tmp_path, count=3, age=-1000)  # each larger than the whole bound, and newer than any graph
     keys = [GraphCache.key(str(i), {}) for i in range(2)]
@@ -500,3 +501,46 @@ def test_another_models_graph_copied_under_this_key_is_a_miss_and_the_graph_is_r
     assert "graph cache: dropping" in caplog.text and "sha256" in caplog.text, caplog.text
     ops = {n.op_type for n in onnx.load(tanh_path).graph.node}
     assert "Tanh" in ops and "Relu" not in ops  # rebuilt: the tanh graph again
+
+
+@pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o077, 0o600)], ids=["group-shared", "private"])
+def test_the_files_the_cache_creates_follow_the_umask(umask, mode, tmp_path):
+    """A folder shared by a group (umask 002): the graphs and locks are group-writable, as any file its user creates,
+    so that the group's other users can read and replace them; a private umask keeps them private."""
+    folder = tmp_path / "graphs"
+    cache, key = GraphCache(folder), GraphCache.key("shared", {})
+    before = os.umask(umask)
+    try:
+        with cache.building(key):
+            cache.put(key, _identity_model())
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE((folder / f"{key}.onnx").stat().st_mode) == mode
+    assert stat.S_IMODE((folder / f"{key}.lock").stat().st_mode) == mode
+    assert cache.get(key) is not None
+
+
+@pytest.mark.parametrize("how", ["permission-denied", "a-directory"])
+def test_an_entry_that_cannot_be_read_is_a_miss_and_training_goes_on(how, cache_dir, caplog, monkeypatch):
+    """Another user's entry this one may not read (mode 000), or a directory in the entry's place (which cannot be
+    replaced either): a miss with a warning, the graph built in memory, the loss of a readable cache. Root reads a
+    file of mode 000, so as root the cache's read of that entry raises the PermissionError any other user gets."""
+    first = _trained_loss()
+    (path,) = cache_dir.glob("*.onnx")
+    if how == "a-directory":
+        path.unlink()
+        path.mkdir()
+    else:
+        path.chmod(0)
+        if os.geteuid() == 0:
+            read = pathlib.Path.read_bytes
+
+            def refuse(self):
+                if self == path:
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+                return read(self)
+
+            monkeypatch.setattr(pathlib.Path, "read_bytes", refuse)
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    assert _trained_loss() == first
+    assert f"graph cache: cannot read {path}" in caplog.text, caplog.text
