@@ -24,7 +24,7 @@ import functools
 import hashlib
 import logging
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -66,12 +66,15 @@ class GraphCache:
         return digest.hexdigest()
 
     def get(self, key: str) -> onnx.ModelProto | None:
-        """The cached graph, or None (missing, or unreadable or not verified by its digest: then deleted so that it
-        is rebuilt)."""
+        """The cached graph, or None: missing; not readable by this process (another user's file, a directory:
+        left in place, a miss); or not a graph verified by its digest (then deleted so that it is rebuilt)."""
         path = self._path(key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
+            return None
+        except OSError as error:  # a shared folder must not stop training: build in memory, replace it if we may
+            _log.warning("graph cache: cannot read %s (%s): building the graph without it", path, error)
             return None
         body, seal = data[:-_SEAL_SIZE], data[-_SEAL_SIZE:]
         try:
@@ -108,9 +111,12 @@ class GraphCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _write(self, path: Path, data: bytes) -> None:
-        """``data`` to ``path`` under a temporary name, then renamed: a reader never sees half a file."""
+        """``data`` to ``path`` under a temporary name, then renamed: a reader never sees half a file. Created with
+        mode 0o666 less the umask, as any file the user creates (`tempfile.mkstemp`'s 0o600 would lock the rest of a
+        group out of a folder it shares with umask 002)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=self.directory)
+        temp = self.directory / f".{path.stem[:16]}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # O_EXCL: never a link
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
