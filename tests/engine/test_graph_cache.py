@@ -544,3 +544,20 @@ def test_an_entry_that_cannot_be_read_is_a_miss_and_training_goes_on(how, cache_
     caplog.set_level(logging.WARNING, logger="ort_trainer")
     assert _trained_loss() == first
     assert f"graph cache: cannot read {path}" in caplog.text, caplog.text
+
+
+def test_a_symbolic_link_planted_as_a_lock_is_not_followed(cache_dir, tmp_path, caplog):
+    """``<key>.lock`` replaced by a symbolic link to a path outside the folder: the next build does not follow it (no
+    file appears there), warns, and trains without the cache, with the loss of the run that filled it."""
+    first = _trained_loss()
+    (lock,) = cache_dir.glob("*.lock")
+    (entry,) = cache_dir.glob("*.onnx")
+    entry.unlink()  # the next build exports and would store the graph: under a lock it must not create
+    lock.unlink()
+    outside = tmp_path / "outside" / "planted"
+    outside.parent.mkdir()
+    lock.symlink_to(outside)
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    assert _trained_loss() == first
+    assert not outside.exists() and lock.is_symlink()
+    assert "symbolic link" in caplog.text and "without it" in caplog.text, caplog.text
