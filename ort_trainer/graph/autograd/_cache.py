@@ -19,6 +19,7 @@ Environment: ``ORT_TRAINER_GRAPH_CACHE=0`` turns it off,
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -101,9 +102,20 @@ class GraphCache:
 
     @contextlib.contextmanager
     def building(self, key: str) -> Iterator[None]:
-        """Hold the key's lock while building it: other processes building the same graph wait, then hit."""
+        """Hold the key's lock while building it: other processes building the same graph wait, then hit.
+
+        The lock is opened read-only (``flock`` needs no more, so another user's lock serves too) and never through
+        a symbolic link: one planted at ``<key>.lock`` would have the build create a file wherever it points. That
+        is an OSError (ELOOP), which callers treat as any unusable cache: a warning, and a build without it."""
+        path = self._path(key).with_suffix(".lock")
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / f"{key}.lock", "a+b") as lock:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            raise OSError(errno.ELOOP, "the lock is a symbolic link, not followed", str(path)) from None
+        with os.fdopen(fd, "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
