@@ -7,8 +7,10 @@ graph exported to ONNX and run in ONNX Runtime). The parameters stay the user's:
 gradient accumulation, ``zero_grad`` and ``DistributedDataParallel`` work unchanged.
 
 Dynamo's guards pick the graph: ``train()``/``eval()`` and ``torch.no_grad()`` (forward-only inference graph) get
-their own graphs. Shapes are Dynamo's: the first call's are static; a dim whose size then changes (or one marked
-with ``torch._dynamo.mark_dynamic``) becomes symbolic, and that one graph, exported with symbolic dims, runs every
+their own graphs, and so does each set of forward hooks and pre-hooks on the module and its submodules (a hook
+registered or removed after the first call gives a graph with or without it, as in eager PyTorch). Shapes are
+Dynamo's: the first call's are static; a dim whose size then changes (or one marked with
+``torch._dynamo.mark_dynamic``) becomes symbolic, and that one graph, exported with symbolic dims, runs every
 later size (a size of 1, or one that breaks what the code assumed of a size, gets a graph of its own; exports are
 kept in the on-disk graph cache). What cannot be one graph (a graph break: Python control flow on tensor values,
 ``.item()``...) or cannot be exported raises `TraceError` at the first call naming the line or op and the way out;
@@ -46,8 +48,8 @@ _WAY_OUT = (
 class ORTModule(torch.nn.Module):
     """``module`` with its forward and backward in ONNX Runtime; otherwise the module itself.
 
-    ``max_graphs``: how many graphs (train/eval x grad/no-grad x static or symbolic shapes) this instance may
-    compile before a call raises instead of compiling another; exports are cached on disk.
+    ``max_graphs``: how many graphs (train/eval x grad/no-grad x static or symbolic shapes x sets of hooks) this
+    instance may compile before a call raises instead of compiling another; exports are cached on disk.
     ``dynamic``: ``torch.compile``'s: None (Dynamo's automatic dynamic shapes: the first call's sizes are static, a
     dim becomes symbolic once its size changes, so lengths that vary and then an epoch's smaller last batch give
     three graphs), True (every input dim symbolic from the first call: one graph for every batch and length; sizes
@@ -85,6 +87,10 @@ class ORTModule(torch.nn.Module):
         """The wrapped module's forward, run in ONNX Runtime (compiled on the first call of each signature)."""
         config = {
             "optimize_ddp": False,  # DDP(ORTModule(m)): one forward and one backward graph, not one per bucket
+            # Dynamo skips its guards on empty hook dicts by default: a forward hook or pre-hook registered on a
+            # submodule after the first call would be silently ignored. Guarded, a hook added (or removed) later
+            # makes Dynamo compile the graph again with (without) it, as eager PyTorch runs it
+            "skip_nnmodule_hook_guards": False,
             "suppress_errors": False,  # never eager behind the user's back
             "fail_on_recompile_limit_hit": True,
             # log calls in a forward (transformers' warning_once) are no graph break: dropped while tracing
@@ -108,9 +114,9 @@ class ORTModule(torch.nn.Module):
             ) from error
         except dynamo_exc.FailOnRecompileLimitHit as error:
             raise TraceError(
-                f"ORTModule compiled {self._max_graphs} graphs for {self._what()} (one per train/eval mode, grad mode "
-                "and set of static or symbolic input sizes) and refuses to compile more: mark the dims that change "
-                "with torch._dynamo.mark_dynamic, or raise ORTModule(module, max_graphs=...)"
+                f"ORTModule compiled {self._max_graphs} graphs for {self._what()} (one per train/eval mode, grad mode, "
+                "set of static or symbolic input sizes and set of module hooks) and refuses to compile more: mark the "
+                "dims that change with torch._dynamo.mark_dynamic, or raise ORTModule(module, max_graphs=...)"
             ) from error
 
     # ---------------------------------------------------------------- the module's own state dict
