@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch._dynamo import exc as dynamo_exc
+from torch.utils import _pytree as pytree
 
 from ort_trainer.graph.autograd import TraceError
 
@@ -52,8 +54,10 @@ class ORTModule(torch.nn.Module):
     instance may compile before a call raises instead of compiling another; exports are cached on disk.
     ``dynamic``: ``torch.compile``'s: None (Dynamo's automatic dynamic shapes: the first call's sizes are static, a
     dim becomes symbolic once its size changes, so lengths that vary and then an epoch's smaller last batch give
-    three graphs), True (every input dim symbolic from the first call: one graph for every batch and length; sizes
-    0 and 1 still get their own) or False (one graph per shape).
+    three graphs), True (every input dim symbolic from the first call: one graph for every batch and length; a size
+    of 1 still gets its own) or False (one graph per shape).
+    An input tensor with a size-0 dim (a sequence of length 0) is refused with a ValueError naming it: ONNX Runtime
+    does not compute on empty tensors as PyTorch does.
     """
 
     def __init__(self, module: torch.nn.Module, *, max_graphs: int = 64, dynamic: bool | None = None):
@@ -85,6 +89,7 @@ class ORTModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward, run in ONNX Runtime (compiled on the first call of each signature)."""
+        self._refuse_empty(args, kwargs)
         config = {
             "optimize_ddp": False,  # DDP(ORTModule(m)): one forward and one backward graph, not one per bucket
             # Dynamo skips its guards on empty hook dicts by default: a forward hook or pre-hook registered on a
@@ -133,6 +138,30 @@ class ORTModule(torch.nn.Module):
     def _what(self) -> str:
         return f"{type(self.module).__name__}.forward"
 
+    def _refuse_empty(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """A ValueError naming the first input tensor with a size-0 dim (a sequence of length 0, an empty batch).
+
+        ONNX Runtime does not compute on empty tensors as PyTorch does (a mean over no elements is 0 there, NaN in
+        PyTorch; the backward of some views fails): such a call would return other numbers than eager, or a raw
+        ONNX Runtime error, so it is refused before Dynamo sees it."""
+        for position, value in (*enumerate(args), *kwargs.items()):
+            if isinstance(value, torch.Tensor):
+                if value.numel() == 0:
+                    self._raise_empty(position, "", value)
+            elif isinstance(value, list | tuple | dict):
+                for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+                    if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+                        self._raise_empty(position, pytree.keystr(path), leaf)
+
+    def _raise_empty(self, position: int | str, path: str, tensor: torch.Tensor) -> NoReturn:
+        name = position if isinstance(position, str) else _parameter_name(self.module.forward, position)
+        dim = list(tensor.shape).index(0)
+        raise ValueError(
+            f"{self._what()} input `{name}{path}` has shape {tuple(tensor.shape)} (size 0 in dim {dim}): ORTModule "
+            "refuses empty tensors, which ONNX Runtime does not compute on as PyTorch does (a mean over no elements "
+            "is 0 there and NaN in PyTorch). Skip empty batches and sequences of length 0 before the call"
+        )
+
 
 @contextlib.contextmanager
 def _no_fast_path() -> Iterator[None]:
@@ -174,6 +203,20 @@ def _strip_incompatible(module: ORTModule, incompatible) -> None:
     inner = prefix + _PREFIX
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
+
+
+def _parameter_name(forward: Any, position: int) -> str:
+    """The name of ``forward``'s parameter at ``position`` (``args[i]`` past a ``*args``, or when unknown)."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C forward without a signature
+        return f"args[{position}]"
+    for index, parameter in enumerate(parameters):
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            return f"{parameter.name}[{position - index}]"
+        if index == position and parameter.kind is not inspect.Parameter.KEYWORD_ONLY:
+            return parameter.name
+    return f"args[{position}]"
 
 
 def _first_line(error: BaseException) -> str:
