@@ -1,0 +1,60 @@
+"""float64 models and bfloat16 autocast under `ORTModule` on CPU: equal to eager where ONNX Runtime's CPU provider
+has the kernels, else a TypeError that names the op, the dtype and the way out (float32), not the exporter.
+
+ONNX Runtime's CPU execution provider has float64 kernels for MatMul, Gemm, Tanh, Softmax... but none for Erf
+(GELU) or Conv, and no bfloat16 kernels for MatMul or Gemm: such a graph is exported fine and the session
+refuses to load it ("Could not find an implementation for Erf(13) node ...").
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ort_trainer import ORTModule
+
+
+def _mlp(activation: torch.nn.Module) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), activation, torch.nn.Linear(8, 3))
+
+
+def test_a_float64_model_of_ops_with_float64_kernels_trains_as_in_eager():
+    torch.manual_seed(0)
+    model = _mlp(torch.nn.Tanh()).double()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model)
+    batches = [(torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))) for _ in range(3)]
+    for module in (wrapped, reference):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for x, label in batches:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(module(x), label)
+            assert loss.dtype == torch.float64
+            loss.backward()
+            opt.step()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_float64_model_with_an_op_without_a_float64_cpu_kernel_names_the_op_and_dtype():
+    torch.manual_seed(0)
+    wrapped = ORTModule(_mlp(torch.nn.GELU()).double())
+    with pytest.raises(TypeError, match=r"CPU.*no kernel for Erf.*float64") as raised:
+        wrapped(torch.randn(4, 6, dtype=torch.float64))
+    message = str(raised.value)
+    assert "float32" in message  # the way out
+    assert "exporter" not in message  # not blamed on the exporter
+
+
+def test_bfloat16_autocast_names_the_op_without_a_bfloat16_cpu_kernel_and_says_drop_autocast():
+    torch.manual_seed(0)
+    wrapped = ORTModule(_mlp(torch.nn.ReLU()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _mlp(torch.nn.ReLU())(torch.randn(4, 6)).dtype == torch.bfloat16  # eager computes in bfloat16
+        with pytest.raises(TypeError, match=r"CPU.*no kernel for (Gemm|MatMul).*bfloat16") as raised:
+            wrapped(torch.randn(4, 6))
+    message = str(raised.value)
+    assert "autocast" in message and "float32" in message
+    assert "exporter" not in message
