@@ -47,6 +47,7 @@ from ort_trainer.graph.autograd import (
     TracedGraph,
     TraceError,
     lift_random_ops,
+    missing_kernel_error,
 )
 
 from ._export import exported, folded_outputs
@@ -294,6 +295,10 @@ def _session(model: onnx.ModelProto, spec: DeviceSpec, kind: str) -> ort.Inferen
                 disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
             )
         except Exception as error:  # noqa: BLE001 - ONNX Runtime's load errors are one class (Fail/InvalidGraph)
+            provider = spec.providers[0] if isinstance(spec.providers[0], str) else spec.providers[0][0]
+            missing = missing_kernel_error(error, model, provider, f"the exported {kind} graph")
+            if missing is not None:  # a float64 or bfloat16 graph on a provider without kernels of that type
+                raise missing from error
             raise TraceError(
                 f"ONNX Runtime {ort.__version__} cannot load the exported {kind} graph: "
                 f"{str(error).strip().splitlines()[0]}. This is a fault of the exporter's translation of an op "

@@ -108,8 +108,8 @@ class ORTModule(torch.nn.Module):
             raise
         except dynamo_exc.BackendCompilerFailed as error:
             inner = error.inner_exception
-            if isinstance(inner, TraceError):
-                raise TraceError(str(inner)) from inner
+            if isinstance(inner, TraceError):  # its own class: an UnsupportedDtypeError is a TypeError too
+                raise type(inner)(str(inner)) from inner
             raise TraceError(
                 f"ORTModule could not compile {self._what()}: {type(inner).__name__}: {_first_line(inner)}{_at(inner)}"
             ) from error
