@@ -58,3 +58,14 @@ def test_bfloat16_autocast_names_the_op_without_a_bfloat16_cpu_kernel_and_says_d
     message = str(raised.value)
     assert "autocast" in message and "float32" in message
     assert "exporter" not in message
+
+
+def test_a_float64_layer_norm_the_exporter_computes_in_float32_is_refused_naming_the_op_not_run():
+    """The exporter's LayerNormalization keeps its mean and 1/std in float32 (``stash_type``) where PyTorch's are
+    float64: the backward then got float32 tensors for float64 inputs (a raw ONNX Runtime error at the backward)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3)).double()
+    wrapped = ORTModule(model)
+    with pytest.raises(TypeError, match=r"LayerNormalization.*float32.*float64") as raised:
+        wrapped(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
+    assert "model.float()" in str(raised.value)
