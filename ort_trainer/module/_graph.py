@@ -48,6 +48,7 @@ from ort_trainer.graph.autograd import (
     TraceError,
     lift_random_ops,
     missing_kernel_error,
+    output_dtype_error,
 )
 
 from ._export import exported, folded_outputs
@@ -126,6 +127,13 @@ class OrtGraph:
                 model = self._export(module, [(input_names[i], examples[i]) for i in kept], output_names, cache)
             # a graph the exporter folded to constants (a backward whose gradients are all zeros): nothing to run
             self._constants = folded_outputs(model, self.device)
+            # an output the export computes in another dtype than torch traced (float64 LayerNorm statistics kept
+            # in float32): refused here, not handed to the backward graph, which would fail in ONNX Runtime
+            mismatch = output_dtype_error(
+                model, dict(zip(output_names, self._dtypes, strict=True)), f"the exported {kind} graph"
+            )
+            if mismatch is not None:
+                raise mismatch
         spec = resolve_device(_device_id(self.device))  # on CUDA: ORT runs on torch's current stream
         self.session = _session(model, spec, kind) if self._constants is None else None
         used = {i.name for i in self.session.get_inputs()} if self.session is not None else set()

@@ -11,14 +11,16 @@ name 'node_Erf_2'" (or, where ONNX's schema itself takes no such type, an INVALI
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import onnx
 import onnxruntime as ort
+import torch
 from onnx import TensorProto
 
 from ._trace import TraceError
 
-__all__ = ["UnsupportedDtypeError", "missing_kernel_error"]
+__all__ = ["UnsupportedDtypeError", "missing_kernel_error", "output_dtype_error"]
 
 _NOT_IMPLEMENTED = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
 _INVALID_TYPE = re.compile(
@@ -64,6 +66,40 @@ def missing_kernel_error(
         f"ONNX Runtime {ort.__version__}'s {_short(provider)} execution provider {kernel}: node '{node_name}' of "
         f"{what} cannot run there. {_way_out(dtype)}"
     )
+
+
+def output_dtype_error(
+    model: onnx.ModelProto, traced: Mapping[str, torch.dtype], what: str
+) -> UnsupportedDtypeError | None:
+    """An `UnsupportedDtypeError` for the first floating-point output of ``model`` whose ONNX dtype is not the one
+    PyTorch traced for it (``traced``: output name to dtype), naming the node that computes it; None if all match.
+
+    ONNX Runtime would hand the next graph (the backward) tensors of another dtype than it was built for, or the
+    user values of another precision than eager's: the exporter's translation of that op does not keep the dtype
+    (LayerNormalization's mean and 1/std stay float32 for a float64 input)."""
+    for output in model.graph.output:
+        dtype = traced.get(output.name)
+        elem = output.type.tensor_type.elem_type
+        if (
+            dtype is None
+            or not dtype.is_floating_point
+            or elem not in _TORCH_NAMES
+            or _TORCH_NAMES[elem] == _name(dtype)
+        ):
+            continue
+        node = next((n for n in model.graph.node if output.name in n.output), None)
+        where = f"node '{node.name}' ({node.op_type})" if node is not None else f"output '{output.name}'"
+        return UnsupportedDtypeError(
+            f"{what} computes {where} in {_TORCH_NAMES[elem]} where PyTorch computes {_name(dtype)}: the ONNX "
+            f"translation of that op does not keep {_name(dtype)}, so ONNX Runtime would not compute as PyTorch "
+            f"does. {_way_out(_name(dtype))}"
+        )
+    return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    """``torch.float64`` as "float64"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _way_out(dtype: str | None) -> str:
