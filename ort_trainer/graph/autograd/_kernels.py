@@ -33,6 +33,8 @@ _TORCH_NAMES = {
     TensorProto.FLOAT16: "float16",
     TensorProto.BFLOAT16: "bfloat16",
 }
+# the dtypes whose kernels a provider may lack where it has float32's: the float32 way out applies
+_NARROW_OR_WIDE = frozenset({"float64", "float16", "bfloat16"})
 _ONNX_NAMES = {"double": "float64", "float": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
@@ -46,7 +48,8 @@ def missing_kernel_error(
     error: BaseException, model: onnx.ModelProto, provider: str, what: str
 ) -> UnsupportedDtypeError | None:
     """``error`` (ONNX Runtime's session load failure for ``model`` on ``provider``) as an `UnsupportedDtypeError`
-    naming the op, its opset, the input dtype and the way out; None when the failure is something else.
+    naming the op, its opset, the input dtype and the way out; None when the failure is something else (an op
+    missing whatever the dtype: a float32 node, or one whose dtype the graph does not say).
 
     ``what`` names the graph in the message ("the exported forward graph")."""
     text = str(error)
@@ -62,6 +65,8 @@ def missing_kernel_error(
         _, onnx_type, _, op, node_name = found.groups()
         dtype = _ONNX_NAMES.get(onnx_type, onnx_type)
         kernel = f"has no kernel for {op} with {dtype} inputs (ONNX's {op} takes no {dtype})"
+    if dtype not in _NARROW_OR_WIDE:  # float32 (or unknown): a missing op, not a dtype; the caller's message
+        return None
     return UnsupportedDtypeError(
         f"ONNX Runtime {ort.__version__}'s {_short(provider)} execution provider {kernel}: node '{node_name}' of "
         f"{what} cannot run there. {_way_out(dtype)}"
