@@ -12,8 +12,10 @@ import copy
 
 import pytest
 import torch
+from onnx import TensorProto, helper
 
 from ort_trainer import ORTModule
+from ort_trainer.graph.autograd import TraceError, missing_kernel_error
 
 
 def _mlp(activation: torch.nn.Module) -> torch.nn.Module:
@@ -69,3 +71,27 @@ def test_a_float64_layer_norm_the_exporter_computes_in_float32_is_refused_naming
     with pytest.raises(TypeError, match=r"LayerNormalization.*float32.*float64") as raised:
         wrapped(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
     assert "model.float()" in str(raised.value)
+
+
+def test_only_a_float64_or_low_precision_node_without_a_kernel_is_told_as_a_dtype_problem():
+    """A float32 node without a kernel is an op the provider lacks whatever the dtype: not `missing_kernel_error`'s."""
+    refusal = RuntimeError(
+        "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an implementation for Erf(13) node with name 'erf'"
+    )
+    for elem, expected in (
+        (TensorProto.DOUBLE, "float64"),
+        (TensorProto.BFLOAT16, "bfloat16"),
+        (TensorProto.FLOAT, None),
+    ):
+        graph = helper.make_graph(
+            [helper.make_node("Erf", ["x"], ["y"], name="erf")],
+            "g",
+            [helper.make_tensor_value_info("x", elem, [2])],
+            [helper.make_tensor_value_info("y", elem, [2])],
+        )
+        error = missing_kernel_error(refusal, helper.make_model(graph), "CPUExecutionProvider", "the graph")
+        if expected is None:
+            assert error is None
+        else:
+            assert isinstance(error, TypeError) and isinstance(error, TraceError)
+            assert f"CPU execution provider has no kernel for Erf (opset 13) with {expected} inputs" in str(error)
