@@ -18,13 +18,25 @@ from ort_trainer import ORTModule
 from ort_trainer.graph.autograd import TraceError, missing_kernel_error
 
 
-def _mlp(activation: torch.nn.Module) -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), activation, torch.nn.Linear(8, 3))
+class _MLP(torch.nn.Module):
+    """A class of this file's own, not ``nn.Sequential``: Dynamo keeps what it learnt of the sizes a forward was
+    called with per code object, so compiling ``Sequential.forward`` here would change the graphs another test file
+    run later in the same process (an xdist worker) builds for it."""
+
+    def __init__(self, activation: torch.nn.Module, norm: torch.nn.Module | None = None):
+        super().__init__()
+        self.first = torch.nn.Linear(6, 8)
+        self.norm = norm if norm is not None else torch.nn.Identity()
+        self.activation = activation
+        self.second = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.second(self.activation(self.norm(self.first(x))))
 
 
 def test_a_float64_model_of_ops_with_float64_kernels_trains_as_in_eager():
     torch.manual_seed(0)
-    model = _mlp(torch.nn.Tanh()).double()
+    model = _MLP(torch.nn.Tanh()).double()
     reference = copy.deepcopy(model)
     wrapped = ORTModule(model)
     batches = [(torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))) for _ in range(3)]
@@ -42,7 +54,7 @@ def test_a_float64_model_of_ops_with_float64_kernels_trains_as_in_eager():
 
 def test_a_float64_model_with_an_op_without_a_float64_cpu_kernel_names_the_op_and_dtype():
     torch.manual_seed(0)
-    wrapped = ORTModule(_mlp(torch.nn.GELU()).double())
+    wrapped = ORTModule(_MLP(torch.nn.GELU()).double())
     with pytest.raises(TypeError, match=r"CPU.*no kernel for Erf.*float64") as raised:
         wrapped(torch.randn(4, 6, dtype=torch.float64))
     message = str(raised.value)
@@ -52,9 +64,9 @@ def test_a_float64_model_with_an_op_without_a_float64_cpu_kernel_names_the_op_an
 
 def test_bfloat16_autocast_names_the_op_without_a_bfloat16_cpu_kernel_and_says_drop_autocast():
     torch.manual_seed(0)
-    wrapped = ORTModule(_mlp(torch.nn.ReLU()))
+    wrapped = ORTModule(_MLP(torch.nn.ReLU()))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _mlp(torch.nn.ReLU())(torch.randn(4, 6)).dtype == torch.bfloat16  # eager computes in bfloat16
+        assert _MLP(torch.nn.ReLU())(torch.randn(4, 6)).dtype == torch.bfloat16  # eager computes in bfloat16
         with pytest.raises(TypeError, match=r"CPU.*no kernel for (Gemm|MatMul).*bfloat16") as raised:
             wrapped(torch.randn(4, 6))
     message = str(raised.value)
@@ -66,7 +78,7 @@ def test_a_float64_layer_norm_the_exporter_computes_in_float32_is_refused_naming
     """The exporter's LayerNormalization keeps its mean and 1/std in float32 (``stash_type``) where PyTorch's are
     float64: the backward then got float32 tensors for float64 inputs (a raw ONNX Runtime error at the backward)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3)).double()
+    model = _MLP(torch.nn.Identity(), torch.nn.LayerNorm(8)).double()
     wrapped = ORTModule(model)
     with pytest.raises(TypeError, match=r"LayerNormalization.*float32.*float64") as raised:
         wrapped(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
