@@ -153,6 +153,8 @@ SLOW_TESTS = frozenset(
         "hf/test_shapes.py::test_classifier_with_data_collator_with_padding_uses_one_graph_for_every_batch",  # 30 s
         # benchmarks/varlen.py at a tiny size: two cold builds (~35 s at load 2, ~60 s at load 5)
         "package/test_benchmark_varlen.py::test_ort_trainer_and_ortmodule_build_one_graph_per_mode_and_train_as_pytorch",
+        # benchmarks/varlen_memory.py at a tiny size: three child processes, one cold build (~40 s)
+        "package/test_benchmark_varlen.py::test_varlen_memory_splits_ort_trainer_s_rss_into_phases_and_a_cache_hit_skips_the_export",
     }
 )
 # `make test-latest`: a representative selection run in a fresh venv with the newest releases the declared ranges

@@ -45,3 +45,25 @@ def test_ort_trainer_and_ortmodule_build_one_graph_per_mode_and_train_as_pytorch
         assert len(losses) == len(reference), name
         for step, (ours, theirs) in enumerate(zip(losses, reference, strict=True)):
             assert abs(ours - theirs) <= 1e-4, f"{name} step {step} ({shapes[step]}): {ours} vs pytorch {theirs}"
+
+
+@pytest.mark.processes
+def test_varlen_memory_splits_ort_trainer_s_rss_into_phases_and_a_cache_hit_skips_the_export(tmp_path):
+    """``benchmarks/varlen_memory.py``, shortened: a cold build grows RSS at the export, a build whose graph the
+    cache holds does not (the exporter is never imported), and every variant reports a peak against PyTorch's."""
+    out = tmp_path / "memory.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "varlen_memory.py"), "--model", "gpt2-tiny", "--steps", "2"]
+    command += ["--variants", "pytorch_sdpa,cold,hit", "--json", str(out)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"exit code {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "| cold |" in result.stdout and "command: " in result.stdout, result.stdout
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"pytorch_sdpa", "cold", "hit"}
+    for name in ("cold", "hit"):
+        phases = results[name]["phases"]
+        assert list(phases) == ["setup", "store", "traced", "exported", "session", "first step", "steps"], phases
+        assert results[name]["peak"] >= max(phases.values()), results[name]
+    cold, hit = results["cold"]["phases"], results["hit"]["phases"]
+    assert cold["exported"] - cold["traced"] >= 20, cold  # the exporter's import and the export itself
+    assert hit["exported"] - hit["traced"] <= 5, hit  # a cached graph: neither
+    assert results["hit"]["peak"] < results["cold"]["peak"], results
