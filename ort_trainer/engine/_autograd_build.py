@@ -121,7 +121,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         count = traced.state_count  # the state comes first (a cached graph's names then list its random inputs too)
         for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
-                constants.setdefault(name, value.detach().clone())
+                constants.setdefault(name, _buffer_input(store.buffers, name, value))
         return AutogradGraphs(model, traced.names(), dict(zip(desc.input_names, inputs, strict=True)))
 
     def explain(feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
@@ -169,9 +169,25 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         sample_inputs,
         eval_model=None,
         output_types=_output_types(first.model),
-        tracks_batches=bool(first.names.updated),  # BatchNorm statistics are the buffers a forward writes
+        # the graph itself writes BatchNorm's num_batches_tracked (a buffer its forward writes): no count beside it
+        tracks_batches=False,
         loss_scale_input=LOSS_SCALE_INPUT if precision.loss_scale else None,
     )
+
+
+def _buffer_input(buffers: Mapping[str, torch.Tensor], name: str, sample: torch.Tensor) -> torch.Tensor:
+    """The tensor the graph input of the module's buffer ``name`` is bound to: the store's (`ParamStore.buffers`),
+    which the module's buffer is a view of, so that what the user writes between steps is what the next step
+    reads. A buffer the store does not hold (one registered after the trainer was built) is refused by name: a
+    copy taken now would silently ignore every later write."""
+    held = buffers.get(name)
+    if held is None or held.shape != sample.shape or held.dtype != sample.dtype:
+        raise ValueError(
+            f"the module's buffer {name!r} ({sample.dtype}, shape {list(sample.shape)}) is not the one it had when "
+            "the ORTTrainer was built (registered or replaced afterwards); register every buffer before building "
+            "the trainer, and change its value in place (buffer.fill_(...), buffer.copy_(...))"
+        )
+    return held
 
 
 class _Shapes:
