@@ -123,3 +123,16 @@ def test_ortmodule_reads_buffers_written_between_steps_like_torch():
     assert int(state["step_count"]) == 3
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_trainer_loads_integer_buffers_of_a_pytorch_state_dict():
+    torch.manual_seed(3)
+    model = Tempered()
+    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    reference = Tempered()
+    reference.step_count.fill_(7)
+    trainer.load_state_dict(reference.state_dict())
+    assert int(trainer.state_dict(pytorch_format=True)["step_count"]) == 7
+    x, label = _batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.train_step(x, label), ce(reference(x), label), atol=1e-6, rtol=1e-6)
