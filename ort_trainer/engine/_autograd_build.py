@@ -26,6 +26,7 @@ import onnx
 import torch
 
 from ort_trainer.config.model_desc import ModelDescription
+from ort_trainer.diagnosis import LabelSpec
 from ort_trainer.graph import explain_trace_failure, onnx_model_parameters
 from ort_trainer.graph.autograd import (
     LOSS_SCALE_INPUT,
@@ -35,6 +36,7 @@ from ort_trainer.graph.autograd import (
     SymbolicShapesError,
     TracedGraph,
     TraceError,
+    class_index_inputs,
     graph_cache_from_env,
     graph_to_onnx,
     onnx_model_problems,
@@ -96,6 +98,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     first_inputs = dict(zip(desc.input_names, sample_inputs, strict=True))
     cache = graph_cache_from_env(request.graph_cache)
     constants: dict[str, torch.Tensor] = {}
+    label_specs: list[LabelSpec] = []  # model_desc inputs a loss reads as class indices (found in the first graph)
     # the input dims model_desc names with a string: one graph serves every size of them (graph.autograd._symbolic),
     # unless the exporter cannot keep them symbolic (then one graph per shape, said once: `_symbolic_or_static`)
     shapes = _Shapes({n: a for n, a in desc.dynamic_axes().items() if n in desc.input_names})
@@ -122,6 +125,8 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
                 constants.setdefault(name, _buffer_input(store.buffers, name, value))
+        if feeds is None and training:
+            label_specs[:] = _label_specs(traced, desc)
         return AutogradGraphs(model, traced.names(), dict(zip(desc.input_names, inputs, strict=True)))
 
     def explain(feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
@@ -171,8 +176,21 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         output_types=_output_types(first.model),
         # the graph itself writes BatchNorm's num_batches_tracked (a buffer its forward writes): no count beside it
         tracks_batches=False,
+        label_specs=label_specs,
         loss_scale_input=LOSS_SCALE_INPUT if precision.loss_scale else None,
     )
+
+
+def _label_specs(traced: TracedGraph, desc: ModelDescription) -> list[LabelSpec]:
+    """The ``model_desc`` inputs a cross-entropy / NLL loss reads as class indices: checked before every run
+    (`diagnosis.check_labels`), since the graph's gather would take a negative label as a class from the end.
+    On a GPU they are not checked per step (that would be a host round trip each step)."""
+    names = traced.input_names
+    return [
+        LabelSpec(names[found.position], found.classes, found.ignore_index, "nll_loss", on_device=False)
+        for found in class_index_inputs(traced.module)
+        if found.position < len(names) and names[found.position] in desc.input_names
+    ]
 
 
 def _buffer_input(buffers: Mapping[str, torch.Tensor], name: str, sample: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from ._cache import GraphCache, graph_cache_from_env
 from ._decompositions import training_decompositions
+from ._labels import ClassIndexInput, class_index_inputs
 from ._onnx_module import OnnxModule, onnx_model_problems
 from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
 from ._precision import LOSS_SCALE_INPUT, Precision
@@ -37,6 +38,7 @@ from ._to_onnx import graph_to_onnx
 from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, trace_graph
 
 __all__ = [
+    "ClassIndexInput",
     "DISABLED_ORT_OPTIMIZERS",
     "GraphCache",
     "GraphNames",
@@ -48,6 +50,7 @@ __all__ = [
     "TraceError",
     "TracedGraph",
     "broken_guard",
+    "class_index_inputs",
     "collapse_layout_chains",
     "fold_zero_scatter_adds",
     "graph_cache_from_env",
