@@ -136,3 +136,14 @@ def test_trainer_loads_integer_buffers_of_a_pytorch_state_dict():
     x, label = _batches(1)[0]
     with torch.no_grad():
         torch.testing.assert_close(trainer.train_step(x, label), ce(reference(x), label), atol=1e-6, rtol=1e-6)
+
+
+def test_trainer_eval_step_keeps_a_buffer_its_forward_writes_like_torch():
+    torch.manual_seed(4)
+    model = Counting()
+    reference = copy.deepcopy(model)
+    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    for x, label in _batches(2):
+        with torch.no_grad():
+            torch.testing.assert_close(trainer.eval_step(x, label), ce(reference(x), label), atol=1e-6, rtol=1e-6)
+    assert int(trainer.state_dict(pytorch_format=True)["calls"]) == int(reference.calls) == 2
