@@ -91,7 +91,7 @@ class _ShapeSession:
         self.bind_state(owner._state)
         names = graphs.names
         self.grad_names = [(n, n + "_grad") for n in names.trained] if training else []
-        self.updated = [(n, n + "_updated") for n in names.updated] if training else []
+        self.updated = [(n, n + "_updated") for n in names.updated]  # eval graphs too: what the forward wrote
         read = set(owner._user_outputs) | {out for _, out in self.updated}
         grad_outputs = {out for _, out in self.grad_names}
         self.out = _OutputBinding(self.session, self.io, device, read - grad_outputs)
@@ -233,6 +233,8 @@ class AutogradSession:
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         shape = self._session_for(self._eval, self._signature(inputs), training=False, inputs=inputs)
         outputs = self._run(shape, inputs)
+        for name, output in shape.updated:
+            self._written[name].copy_(outputs[output])
         return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     # ---------------------------------------------------------------- internals

@@ -160,9 +160,9 @@ class TracedGraph:
             mode = "symbolic" if symbolic is not None else "fake"
             table = training_decompositions()
             module = make_fx(functional, decomposition_table=table, tracing_mode=mode)(*args)
+        self.updated = _keep_written(module, frozen)  # eval mode too: a forward that counts its calls
+        self.output_names += [n + UPDATED_SUFFIX for n in self.updated]
         if training:
-            self.updated = _keep_written(module, frozen)
-            self.output_names += [n + UPDATED_SUFFIX for n in self.updated]
             try:
                 self.random_inputs = lift_random_ops(module, size=symbolic.expression if symbolic else int)
             except ValueError as error:
@@ -381,8 +381,8 @@ def _graph_function(wrapper, desc: ModelDescription, state_names, training: bool
                 f"the model (with loss_fn: the loss followed by the model's predictions) returned {len(outputs)} "
                 f"outputs, but model_desc declares {len(desc.output_names)}: {list(desc.output_names)}"
             )
-        if not training:
-            return tuple(precision.outputs(outputs))
+        if not training:  # the buffers it wrote too (not BatchNorm's in eval mode; a counter of the model's own)
+            return (*precision.outputs(outputs), *frozen_copies, *constant_copies)
         loss = outputs[desc.loss_index]
         if not loss.requires_grad:
             raise ValueError(
