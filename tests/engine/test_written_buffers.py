@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from ort_trainer import ORTModule, ORTTrainer, optim
@@ -147,3 +148,15 @@ def test_trainer_eval_step_keeps_a_buffer_its_forward_writes_like_torch():
         with torch.no_grad():
             torch.testing.assert_close(trainer.eval_step(x, label), ce(reference(x), label), atol=1e-6, rtol=1e-6)
     assert int(trainer.state_dict(pytorch_format=True)["calls"]) == int(reference.calls) == 2
+
+
+def test_trainer_refuses_a_buffer_assigned_anew():
+    """``model.step_count = tensor`` (not in place) leaves the trainer's buffer behind: refused, not ignored."""
+    torch.manual_seed(5)
+    model = Tempered()
+    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    x, label = _batches(1)[0]
+    trainer.train_step(x, label)
+    model.step_count = torch.tensor(4)
+    with pytest.raises(ValueError, match=r"step_count.*no longer a view of this trainer's buffer"):
+        trainer.train_step(x, label)
