@@ -119,10 +119,8 @@ def _pytorch_state(trainer: TrainerState) -> dict[str, Any]:
         buffer = store.buffers.get(module_state.buffer_aliases.get(fqn, ""))  # an integer buffer: its value now
         if name in weights:
             result[fqn] = _clone(weights[name]).to(initial.dtype).cpu()
-        elif buffer is not None:
+        elif buffer is not None:  # num_batches_tracked too: written by the graph, or counted (`count_batch`)
             result[fqn] = _clone(buffer).cpu()
-            if fqn.endswith("num_batches_tracked"):  # the onnxblock engine counts BatchNorm's passes beside it
-                result[fqn] += store.batches_tracked  # (the autograd engine's graph writes the buffer itself)
         elif fqn.endswith("num_batches_tracked"):
             result[fqn] = initial + store.batches_tracked
         else:

@@ -304,8 +304,6 @@ def _apply(trainer: TrainerState, plan: Mapping[str, Any]) -> None:
             current[name].copy_(value)
         for name, value in plan.get("buffers", {}).items():
             store.buffers[name].copy_(value)
-            if name.endswith("num_batches_tracked"):  # the loaded count replaces the onnxblock engine's own
-                store.batches_tracked = 0
     store.extra_state.update(plan.get("extra_state", {}))
     if "optimizer" in plan:
         store.optimizer.load_state_dict(plan["optimizer"], strict=False)

@@ -146,6 +146,14 @@ class ParamStore:
         """Every float state tensor by its name: trainable views, then frozen state."""
         return {**self.param_views, **self.frozen}
 
+    def count_batch(self) -> None:
+        """One BatchNorm forward in training mode by an engine whose graph does not count it (onnxblock): every
+        ``num_batches_tracked`` buffer advances, as torch's BatchNorm advances it (a kernel each, no host wait)."""
+        self.batches_tracked += 1
+        for name, tensor in self.buffers.items():
+            if name.rsplit(".", 1)[-1] == "num_batches_tracked":
+                tensor.add_(1)
+
     @property
     def module_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the module's parameters and buffers can be views of: the float state, then the other
