@@ -16,6 +16,8 @@ from ort_trainer import ORTModule, ORTTrainer, optim
 
 ce = torch.nn.functional.cross_entropy
 DESC = {"inputs": [("x", ["batch", 4]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
+# the onnxblock engine exports integer buffers as graph constants (and refuses a model that has one): autograd's
+AUTOGRAD = {"utils": {"engine": "autograd"}}
 
 
 class Tempered(torch.nn.Module):
@@ -62,7 +64,7 @@ def test_trainer_reads_buffers_written_between_steps_like_torch():
     torch.manual_seed(0)
     model = Tempered()
     reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=AUTOGRAD)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step, (x, label) in enumerate(_batches(3)):
         loss = trainer.train_step(x, label)
@@ -87,7 +89,7 @@ def test_trainer_follows_a_buffer_its_forward_writes_like_torch():
     torch.manual_seed(1)
     model = Counting()
     reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=AUTOGRAD)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step, (x, label) in enumerate(_batches(3)):
         loss = trainer.train_step(x, label)
@@ -129,7 +131,7 @@ def test_ortmodule_reads_buffers_written_between_steps_like_torch():
 def test_trainer_loads_integer_buffers_of_a_pytorch_state_dict():
     torch.manual_seed(3)
     model = Tempered()
-    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=AUTOGRAD)
     reference = Tempered()
     reference.step_count.fill_(7)
     trainer.load_state_dict(reference.state_dict())
@@ -143,7 +145,7 @@ def test_trainer_eval_step_keeps_a_buffer_its_forward_writes_like_torch():
     torch.manual_seed(4)
     model = Counting()
     reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=AUTOGRAD)
     for x, label in _batches(2):
         with torch.no_grad():
             torch.testing.assert_close(trainer.eval_step(x, label), ce(reference(x), label), atol=1e-6, rtol=1e-6)
@@ -154,7 +156,7 @@ def test_trainer_refuses_a_buffer_assigned_anew():
     """``model.step_count = tensor`` (not in place) leaves the trainer's buffer behind: refused, not ignored."""
     torch.manual_seed(5)
     model = Tempered()
-    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce)
+    trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.1), loss_fn=ce, options=AUTOGRAD)
     x, label = _batches(1)[0]
     trainer.train_step(x, label)
     model.step_count = torch.tensor(4)
