@@ -48,6 +48,8 @@ from ort_trainer.graph.autograd import (
     TraceError,
     class_index_inputs,
     lift_random_ops,
+    missing_kernel_error,
+    output_dtype_error,
 )
 
 from ._export import exported, folded_outputs
@@ -190,6 +192,13 @@ class OrtGraph:
                 model = self._export(module, [(input_names[i], examples[i]) for i in kept], output_names, cache)
             # a graph the exporter folded to constants (a backward whose gradients are all zeros): nothing to run
             self._constants = folded_outputs(model, self.device)
+            # an output the export computes in another dtype than torch traced (float64 LayerNorm statistics kept
+            # in float32): refused here, not handed to the backward graph, which would fail in ONNX Runtime
+            mismatch = output_dtype_error(
+                model, dict(zip(output_names, self._dtypes, strict=True)), f"the exported {kind} graph"
+            )
+            if mismatch is not None:
+                raise mismatch
         spec = resolve_device(_device_id(self.device))  # on CUDA: ORT runs on torch's current stream
         self.session = _session(model, spec, kind) if self._constants is None else None
         used = {i.name for i in self.session.get_inputs()} if self.session is not None else set()
@@ -360,6 +369,10 @@ def _session(model: onnx.ModelProto, spec: DeviceSpec, kind: str) -> ort.Inferen
                 disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
             )
         except Exception as error:  # noqa: BLE001 - ONNX Runtime's load errors are one class (Fail/InvalidGraph)
+            provider = spec.providers[0] if isinstance(spec.providers[0], str) else spec.providers[0][0]
+            missing = missing_kernel_error(error, model, provider, f"the exported {kind} graph")
+            if missing is not None:  # a float64 or bfloat16 graph on a provider without kernels of that type
+                raise missing from error
             raise TraceError(
                 f"ONNX Runtime {ort.__version__} cannot load the exported {kind} graph: "
                 f"{str(error).strip().splitlines()[0]}. This is a fault of the exporter's translation of an op "

@@ -7,8 +7,10 @@ graph exported to ONNX and run in ONNX Runtime). The parameters stay the user's:
 gradient accumulation, ``zero_grad`` and ``DistributedDataParallel`` work unchanged.
 
 Dynamo's guards pick the graph: ``train()``/``eval()`` and ``torch.no_grad()`` (forward-only inference graph) get
-their own graphs. Shapes are Dynamo's: the first call's are static; a dim whose size then changes (or one marked
-with ``torch._dynamo.mark_dynamic``) becomes symbolic, and that one graph, exported with symbolic dims, runs every
+their own graphs, and so does each set of forward hooks and pre-hooks on the module and its submodules (a hook
+registered or removed after the first call gives a graph with or without it, as in eager PyTorch). Shapes are
+Dynamo's: the first call's are static; a dim whose size then changes (or one marked with
+``torch._dynamo.mark_dynamic``) becomes symbolic, and that one graph, exported with symbolic dims, runs every
 later size (a size of 1, or one that breaks what the code assumed of a size, gets a graph of its own; exports are
 kept in the on-disk graph cache). What cannot be one graph (a graph break: Python control flow on tensor values,
 ``.item()``...) or cannot be exported raises `TraceError` at the first call naming the line or op and the way out;
@@ -21,13 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch._dynamo import exc as dynamo_exc
+from torch.utils import _pytree as pytree
 
 from ort_trainer.graph.autograd import TraceError
 
@@ -46,12 +50,14 @@ _WAY_OUT = (
 class ORTModule(torch.nn.Module):
     """``module`` with its forward and backward in ONNX Runtime; otherwise the module itself.
 
-    ``max_graphs``: how many graphs (train/eval x grad/no-grad x static or symbolic shapes) this instance may
-    compile before a call raises instead of compiling another; exports are cached on disk.
+    ``max_graphs``: how many graphs (train/eval x grad/no-grad x static or symbolic shapes x sets of hooks) this
+    instance may compile before a call raises instead of compiling another; exports are cached on disk.
     ``dynamic``: ``torch.compile``'s: None (Dynamo's automatic dynamic shapes: the first call's sizes are static, a
     dim becomes symbolic once its size changes, so lengths that vary and then an epoch's smaller last batch give
-    three graphs), True (every input dim symbolic from the first call: one graph for every batch and length; sizes
-    0 and 1 still get their own) or False (one graph per shape).
+    three graphs), True (every input dim symbolic from the first call: one graph for every batch and length; a size
+    of 1 still gets its own) or False (one graph per shape).
+    An input tensor with a size-0 dim (a sequence of length 0) is refused with a ValueError naming it: ONNX Runtime
+    does not compute on empty tensors as PyTorch does.
     """
 
     def __init__(self, module: torch.nn.Module, *, max_graphs: int = 64, dynamic: bool | None = None):
@@ -83,8 +89,13 @@ class ORTModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward, run in ONNX Runtime (compiled on the first call of each signature)."""
+        self._refuse_empty(args, kwargs)
         config = {
             "optimize_ddp": False,  # DDP(ORTModule(m)): one forward and one backward graph, not one per bucket
+            # Dynamo skips its guards on empty hook dicts by default: a forward hook or pre-hook registered on a
+            # submodule after the first call would be silently ignored. Guarded, a hook added (or removed) later
+            # makes Dynamo compile the graph again with (without) it, as eager PyTorch runs it
+            "skip_nnmodule_hook_guards": False,
             "suppress_errors": False,  # never eager behind the user's back
             "fail_on_recompile_limit_hit": True,
             # log calls in a forward (transformers' warning_once) are no graph break: dropped while tracing
@@ -97,8 +108,8 @@ class ORTModule(torch.nn.Module):
             raise
         except dynamo_exc.BackendCompilerFailed as error:
             inner = error.inner_exception
-            if isinstance(inner, TraceError):
-                raise TraceError(str(inner)) from inner
+            if isinstance(inner, TraceError):  # its own class: an UnsupportedDtypeError is a TypeError too
+                raise type(inner)(str(inner)) from inner
             raise TraceError(
                 f"ORTModule could not compile {self._what()}: {type(inner).__name__}: {_first_line(inner)}{_at(inner)}"
             ) from error
@@ -108,9 +119,9 @@ class ORTModule(torch.nn.Module):
             ) from error
         except dynamo_exc.FailOnRecompileLimitHit as error:
             raise TraceError(
-                f"ORTModule compiled {self._max_graphs} graphs for {self._what()} (one per train/eval mode, grad mode "
-                "and set of static or symbolic input sizes) and refuses to compile more: mark the dims that change "
-                "with torch._dynamo.mark_dynamic, or raise ORTModule(module, max_graphs=...)"
+                f"ORTModule compiled {self._max_graphs} graphs for {self._what()} (one per train/eval mode, grad mode, "
+                "set of static or symbolic input sizes and set of module hooks) and refuses to compile more: mark the "
+                "dims that change with torch._dynamo.mark_dynamic, or raise ORTModule(module, max_graphs=...)"
             ) from error
 
     # ---------------------------------------------------------------- the module's own state dict
@@ -126,6 +137,30 @@ class ORTModule(torch.nn.Module):
 
     def _what(self) -> str:
         return f"{type(self.module).__name__}.forward"
+
+    def _refuse_empty(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """A ValueError naming the first input tensor with a size-0 dim (a sequence of length 0, an empty batch).
+
+        ONNX Runtime does not compute on empty tensors as PyTorch does (a mean over no elements is 0 there, NaN in
+        PyTorch; the backward of some views fails): such a call would return other numbers than eager, or a raw
+        ONNX Runtime error, so it is refused before Dynamo sees it."""
+        for position, value in (*enumerate(args), *kwargs.items()):
+            if isinstance(value, torch.Tensor):
+                if value.numel() == 0:
+                    self._raise_empty(position, "", value)
+            elif isinstance(value, list | tuple | dict):
+                for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+                    if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+                        self._raise_empty(position, pytree.keystr(path), leaf)
+
+    def _raise_empty(self, position: int | str, path: str, tensor: torch.Tensor) -> NoReturn:
+        name = position if isinstance(position, str) else _parameter_name(self.module.forward, position)
+        dim = list(tensor.shape).index(0)
+        raise ValueError(
+            f"{self._what()} input `{name}{path}` has shape {tuple(tensor.shape)} (size 0 in dim {dim}): ORTModule "
+            "refuses empty tensors, which ONNX Runtime does not compute on as PyTorch does (a mean over no elements "
+            "is 0 there and NaN in PyTorch). Skip empty batches and sequences of length 0 before the call"
+        )
 
 
 @contextlib.contextmanager
@@ -168,6 +203,20 @@ def _strip_incompatible(module: ORTModule, incompatible) -> None:
     inner = prefix + _PREFIX
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
+
+
+def _parameter_name(forward: Any, position: int) -> str:
+    """The name of ``forward``'s parameter at ``position`` (``args[i]`` past a ``*args``, or when unknown)."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C forward without a signature
+        return f"args[{position}]"
+    for index, parameter in enumerate(parameters):
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            return f"{parameter.name}[{position - index}]"
+        if index == position and parameter.kind is not inspect.Parameter.KEYWORD_ONLY:
+            return parameter.name
+    return f"args[{position}]"
 
 
 def _first_line(error: BaseException) -> str:

@@ -7,8 +7,12 @@ Files older releases left in the folder (the pre-key's ``.alias`` files) are ign
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import pathlib
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -17,6 +21,7 @@ import time
 import onnx
 import pytest
 import torch
+from onnx import numpy_helper
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.graph.autograd import GraphCache
@@ -107,9 +112,9 @@ def test_a_damaged_file_is_dropped_and_rebuilt(cache_dir, caplog):
     onnx.load(path)  # rewritten whole
 
 
-def test_the_folder_stays_under_its_bound_least_recently_used_first(tmp_path):
-    cache = GraphCache(tmp_path, max_bytes=1)
-    model = onnx.helper.make_model(
+def _identity_model():
+    """The smallest graph worth storing: y = x."""
+    return onnx.helper.make_model(
         onnx.helper.make_graph(
             [onnx.helper.make_node("Identity", ["x"], ["y"])],
             "g",
@@ -117,7 +122,22 @@ def test_the_folder_stays_under_its_bound_least_recently_used_first(tmp_path):
             [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
         )
     )
-    size = len(model.SerializeToString())
+
+
+def _stored_size(model, folder):
+    """The bytes ``model`` takes in a cache folder (its graph and the digest that ends it), measured in ``folder``,
+    which is then removed."""
+    key = GraphCache.key("probe", {})
+    GraphCache(folder).put(key, model)
+    size = (folder / f"{key}.onnx").stat().st_size
+    shutil.rmtree(folder)
+    return size
+
+
+def test_the_folder_stays_under_its_bound_least_recently_used_first(tmp_path):
+    cache = GraphCache(tmp_path, max_bytes=1)
+    model = _identity_model()
+    size = _stored_size(model, tmp_path / "probe")
     cache.max_bytes = 2 * size
     keys = [GraphCache.key(str(i), {}) for i in range(3)]
     cache.put(keys[0], model)
@@ -297,15 +317,8 @@ def test_leftover_pre_key_files_are_ignored_and_pruned(cache_dir, caplog):
 def test_leftover_pre_key_files_do_not_count_against_the_bound(tmp_path):
     """The bound is kept over the graphs alone: an old, large ``.alias`` file never evicts a graph."""
     cache = GraphCache(tmp_path, max_bytes=1)
-    model = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [onnx.helper.make_node("Identity", ["x"], ["y"])],
-            "g",
-            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
-        )
-    )
-    cache.max_bytes = 2 * len(model.SerializeToString())
+    model = _identity_model()
+    cache.max_bytes = 2 * _stored_size(model, tmp_path / "probe")
     _leftover_aliases(tmp_path, count=3, age=-1000)  # each larger than the whole bound, and newer than any graph
     keys = [GraphCache.key(str(i), {}) for i in range(2)]
     cache.put(keys[0], model)
@@ -421,3 +434,130 @@ def test_every_exporter_package_version_is_part_of_the_key(monkeypatch):
     monkeypatch.setattr(_cache.metadata, "version", real)
     baseline = GraphCache.key("f" * 64, {"training": True})
     assert all(key != baseline for key in keys.values()), keys
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc"])
+def test_a_bad_bound_names_the_variable_the_value_the_unit_and_how_to_turn_the_cache_off(value, monkeypatch):
+    """``ORT_TRAINER_GRAPH_CACHE_MB`` not a positive number: the error says which variable, what it held, that it
+    counts MiB and must be > 0, and that ``ORT_TRAINER_GRAPH_CACHE=0`` is how to turn the cache off."""
+    from ort_trainer.graph.autograd import graph_cache_from_env
+
+    monkeypatch.delenv("ORT_TRAINER_GRAPH_CACHE", raising=False)
+    monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE_MB", value)
+    with pytest.raises(ValueError) as raised:
+        graph_cache_from_env()
+    message = str(raised.value)
+    for part in ("ORT_TRAINER_GRAPH_CACHE_MB", repr(value), "MiB", "> 0", "ORT_TRAINER_GRAPH_CACHE=0"):
+        assert part in message, message
+
+
+def _weights_equal(ran, reference):
+    """The final weights of two `_activated_run`s, bit for bit."""
+    assert ran[2].keys() == reference[2].keys()
+    for name, value in reference[2].items():
+        torch.testing.assert_close(ran[2][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_flipped_bit_in_a_cached_constant_is_a_miss_and_the_graph_is_rebuilt(cache_dir, caplog):
+    """One bit of a float constant flipped in the stored graph: the file still parses and the graph still runs, with
+    the constant negated. Its sha256 no longer matches, so the entry is dropped with a warning and rebuilt, and three
+    steps end on the weights of the run that exported the graph (nothing read from the cache)."""
+    exported = _activated_run(torch.tanh, steps=3)
+    (path,) = cache_dir.glob("*.onnx")
+    data = bytearray(path.read_bytes())
+    constant = next(
+        t
+        for t in onnx.load_from_string(bytes(data)).graph.initializer
+        if t.data_type == onnx.TensorProto.FLOAT and t.raw_data and numpy_helper.to_array(t).any()
+    )
+    blob = constant.SerializeToString()
+    high = data.find(blob) + blob.rfind(constant.raw_data) + len(constant.raw_data) - 1  # little-endian: sign byte
+    data[high] ^= 0x80
+    path.write_bytes(bytes(data))
+    (flipped,) = [t for t in onnx.load(path).graph.initializer if t.name == constant.name]  # still parses
+    assert numpy_helper.to_array(flipped).reshape(-1)[-1] == -numpy_helper.to_array(constant).reshape(-1)[-1]
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    _weights_equal(_activated_run(torch.tanh, steps=3), exported)
+    assert "graph cache: dropping" in caplog.text and "sha256" in caplog.text, caplog.text
+    assert GraphCache(cache_dir).get(path.stem) is not None  # rebuilt: the new file verifies
+
+
+def test_another_models_graph_copied_under_this_key_is_a_miss_and_the_graph_is_rebuilt(cache_dir, caplog):
+    """The relu model's graph copied over the tanh model's entry: the same inputs, parameter names and shapes, so it
+    would load and train relu. (The relu graph is the tanh graph with its Tanh node made Relu, stored by the cache
+    under another key: a sound entry of that key, made without a third export.) Each entry's sha256 covers its key,
+    so the copy is dropped with a warning and the tanh graph rebuilt: three steps end on the weights of the run that
+    exported it."""
+    exported = _activated_run(torch.tanh, steps=3)
+    (tanh_path,) = cache_dir.glob("*.onnx")
+    relu = onnx.load(tanh_path)
+    (node,) = [n for n in relu.graph.node if n.op_type == "Tanh"]
+    node.op_type = "Relu"
+    relu_key = GraphCache.key("the relu model", {})
+    GraphCache(cache_dir).put(relu_key, relu)
+    shutil.copyfile(cache_dir / f"{relu_key}.onnx", tanh_path)
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    _weights_equal(_activated_run(torch.tanh, steps=3), exported)
+    assert "graph cache: dropping" in caplog.text and "sha256" in caplog.text, caplog.text
+    ops = {n.op_type for n in onnx.load(tanh_path).graph.node}
+    assert "Tanh" in ops and "Relu" not in ops  # rebuilt: the tanh graph again
+
+
+@pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o077, 0o600)], ids=["group-shared", "private"])
+def test_the_files_the_cache_creates_follow_the_umask(umask, mode, tmp_path):
+    """A folder shared by a group (umask 002): the graphs and locks are group-writable, as any file its user creates,
+    so that the group's other users can read and replace them; a private umask keeps them private."""
+    folder = tmp_path / "graphs"
+    cache, key = GraphCache(folder), GraphCache.key("shared", {})
+    before = os.umask(umask)
+    try:
+        with cache.building(key):
+            cache.put(key, _identity_model())
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE((folder / f"{key}.onnx").stat().st_mode) == mode
+    assert stat.S_IMODE((folder / f"{key}.lock").stat().st_mode) == mode
+    assert cache.get(key) is not None
+
+
+@pytest.mark.parametrize("how", ["permission-denied", "a-directory"])
+def test_an_entry_that_cannot_be_read_is_a_miss_and_training_goes_on(how, cache_dir, caplog, monkeypatch):
+    """Another user's entry this one may not read (mode 000), or a directory in the entry's place (which cannot be
+    replaced either): a miss with a warning, the graph built in memory, the loss of a readable cache. Root reads a
+    file of mode 000, so as root the cache's read of that entry raises the PermissionError any other user gets."""
+    first = _trained_loss()
+    (path,) = cache_dir.glob("*.onnx")
+    if how == "a-directory":
+        path.unlink()
+        path.mkdir()
+    else:
+        path.chmod(0)
+        if os.geteuid() == 0:
+            read = pathlib.Path.read_bytes
+
+            def refuse(self):
+                if self == path:
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+                return read(self)
+
+            monkeypatch.setattr(pathlib.Path, "read_bytes", refuse)
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    assert _trained_loss() == first
+    assert f"graph cache: cannot read {path}" in caplog.text, caplog.text
+
+
+def test_a_symbolic_link_planted_as_a_lock_is_not_followed(cache_dir, tmp_path, caplog):
+    """``<key>.lock`` replaced by a symbolic link to a path outside the folder: the next build does not follow it (no
+    file appears there), warns, and trains without the cache, with the loss of the run that filled it."""
+    first = _trained_loss()
+    (lock,) = cache_dir.glob("*.lock")
+    (entry,) = cache_dir.glob("*.onnx")
+    entry.unlink()  # the next build exports and would store the graph: under a lock it must not create
+    lock.unlink()
+    outside = tmp_path / "outside" / "planted"
+    outside.parent.mkdir()
+    lock.symlink_to(outside)
+    caplog.set_level(logging.WARNING, logger="ort_trainer")
+    assert _trained_loss() == first
+    assert not outside.exists() and lock.is_symlink()
+    assert "symbolic link" in caplog.text and "without it" in caplog.text, caplog.text

@@ -20,6 +20,9 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 * ``_random``: `lift_random_ops`, random draws (Dropout masks) as graph inputs filled by torch;
 * ``_symbolic``: symbolic dims, one graph for every size of the input dims ``model_desc`` names (the symbolic
   trace's fake inputs, its dim classes, the exporter's ``dynamic_shapes``, random draws sized per batch);
+* ``_kernels``: `missing_kernel_error`, ONNX Runtime's refusal to load a graph for want of a kernel of its dtype
+  (float64, bfloat16 on CPU) told as that (`UnsupportedDtypeError`, a TypeError), not as an exporter fault, and
+  `output_dtype_error`, an export that computes an output in another dtype than PyTorch's;
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions (a trace's
   `TracedGraph.fingerprint`): a hit skips the export and its passes.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from ._cache import GraphCache, graph_cache_from_env
 from ._decompositions import training_decompositions
+from ._kernels import UnsupportedDtypeError, missing_kernel_error, output_dtype_error
 from ._labels import ClassIndexInput, class_index_inputs
 from ._onnx_module import OnnxModule, onnx_model_problems
 from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
@@ -49,6 +53,7 @@ __all__ = [
     "SymbolicShapesError",
     "TraceError",
     "TracedGraph",
+    "UnsupportedDtypeError",
     "broken_guard",
     "class_index_inputs",
     "collapse_layout_chains",
@@ -56,7 +61,9 @@ __all__ = [
     "graph_cache_from_env",
     "graph_to_onnx",
     "lift_random_ops",
+    "missing_kernel_error",
     "onnx_model_problems",
+    "output_dtype_error",
     "random_shape",
     "signature_shape",
     "trace_graph",

@@ -6,8 +6,12 @@ dtypes, constant values (`TracedGraph.fingerprint`), the build options, and the 
 onnxscript, onnx, onnxruntime and ort_trainer; a changed model or library never reuses a stale graph.
 Files are written to a temporary name and renamed (a reader never sees half a file), one process builds
 a given key while the others wait on an ``flock`` (released by the kernel if that process dies), a file
-that does not parse is dropped and rebuilt, and the folder is kept under a size bound by deleting the
-least recently used files. Environment: ``ORT_TRAINER_GRAPH_CACHE=0`` turns it off,
+that does not parse or does not verify is dropped and rebuilt, and the folder is kept under a size bound by
+deleting the least recently used files. Each file ends with sha256 of its key and its content (`_seal`), checked
+on every load: a damaged file, or another graph's file copied under this key, is a miss (a warning), never a
+graph that trains wrong numbers. This catches accidents, not someone who can write to the folder (they can write
+a matching digest too): the folder is a trust boundary (docs/engines.md, "Graph cache").
+Environment: ``ORT_TRAINER_GRAPH_CACHE=0`` turns it off,
 ``ORT_TRAINER_GRAPH_CACHE_DIR`` moves it (default ``$XDG_CACHE_HOME/ort_trainer/graphs``, else
 ``~/.cache/ort_trainer/graphs``), ``ORT_TRAINER_GRAPH_CACHE_MB`` bounds it (default 2048).
 """
@@ -15,12 +19,13 @@ least recently used files. Environment: ``ORT_TRAINER_GRAPH_CACHE=0`` turns it o
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import logging
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -31,6 +36,8 @@ __all__ = ["GraphCache", "graph_cache_from_env"]
 
 _log = logging.getLogger("ort_trainer")
 _SUFFIX = ".onnx"
+# the ``metadata_props`` entry each file ends with (`_seal`): sha256 of the entry's key and of the bytes before it
+_DIGEST = "ort_trainer.graph_cache.sha256"
 # files older releases kept beside the graphs (the pre-key's ``<pre-key>.alias``, removed: docs/engines.md "Graph
 # cache"): never read, not counted against the bound, deleted when the folder is next trimmed
 _LEFTOVERS = (".alias",)
@@ -60,14 +67,21 @@ class GraphCache:
         return digest.hexdigest()
 
     def get(self, key: str) -> onnx.ModelProto | None:
-        """The cached graph, or None (missing, or unreadable: then deleted so that it is rebuilt)."""
+        """The cached graph, or None: missing; not readable by this process (another user's file, a directory:
+        left in place, a miss); or not a graph verified by its digest (then deleted so that it is rebuilt)."""
         path = self._path(key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as error:  # a shared folder must not stop training: build in memory, replace it if we may
+            _log.warning("graph cache: cannot read %s (%s): building the graph without it", path, error)
+            return None
+        body, seal = data[:-_SEAL_SIZE], data[-_SEAL_SIZE:]
         try:
-            model = onnx.load_from_string(data)
+            if len(data) <= _SEAL_SIZE or seal != _seal(key, body):
+                raise ValueError("its sha256 does not match its content and key: damaged, or another graph's file")
+            model = onnx.load_from_string(body)
             if not model.graph.output:
                 raise ValueError("no outputs")
         except Exception as error:  # noqa: BLE001 - any unreadable file is a miss, logged
@@ -80,15 +94,28 @@ class GraphCache:
         return model
 
     def put(self, key: str, model: onnx.ModelProto) -> None:
-        """Write atomically (temporary file + rename), then trim the folder to its bound."""
-        self._write(self._path(key), model.SerializeToString())
+        """Write atomically (temporary file + rename), sealed with its key's digest, then trim the folder to its
+        bound."""
+        body = model.SerializeToString()
+        self._write(self._path(key), body + _seal(key, body))
         self._trim()
 
     @contextlib.contextmanager
     def building(self, key: str) -> Iterator[None]:
-        """Hold the key's lock while building it: other processes building the same graph wait, then hit."""
+        """Hold the key's lock while building it: other processes building the same graph wait, then hit.
+
+        The lock is opened read-only (``flock`` needs no more, so another user's lock serves too) and never through
+        a symbolic link: one planted at ``<key>.lock`` would have the build create a file wherever it points. That
+        is an OSError (ELOOP), which callers treat as any unusable cache: a warning, and a build without it."""
+        path = self._path(key).with_suffix(".lock")
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / f"{key}.lock", "a+b") as lock:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            raise OSError(errno.ELOOP, "the lock is a symbolic link, not followed", str(path)) from None
+        with os.fdopen(fd, "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -96,9 +123,12 @@ class GraphCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _write(self, path: Path, data: bytes) -> None:
-        """``data`` to ``path`` under a temporary name, then renamed: a reader never sees half a file."""
+        """``data`` to ``path`` under a temporary name, then renamed: a reader never sees half a file. Created with
+        mode 0o666 less the umask, as any file the user creates (`tempfile.mkstemp`'s 0o600 would lock the rest of a
+        group out of a folder it shares with umask 002)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=self.directory)
+        temp = self.directory / f".{path.stem[:16]}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # O_EXCL: never a link
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
@@ -134,6 +164,18 @@ class GraphCache:
                 _log.info("graph cache: evicted %s (%d bytes) to stay under %d bytes", path.name, size, self.max_bytes)
 
 
+def _seal(key: str, body: bytes) -> bytes:
+    """The bytes that end the entry ``key`` whose graph is ``body``: one ``metadata_props`` entry holding sha256 of
+    the key and the body. Appended protobuf fields merge into the message, so the file stays an ONNX model; the key
+    is in the digest so that a file copied from another key does not verify. Always `_SEAL_SIZE` bytes long."""
+    digest = hashlib.sha256(key.encode() + b"\0" + body).hexdigest()
+    entry = onnx.StringStringEntryProto(key=_DIGEST, value=digest)
+    return onnx.ModelProto(metadata_props=[entry]).SerializeToString()
+
+
+_SEAL_SIZE = len(_seal("0" * 64, b""))
+
+
 def _is_key(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
@@ -150,7 +192,12 @@ def graph_cache_from_env(enabled: bool = True) -> GraphCache | None:
     try:
         megabytes = int(text)
     except ValueError:
-        raise ValueError(f"ORT_TRAINER_GRAPH_CACHE_MB must be an integer number of MiB, got {text!r}") from None
+        megabytes = 0
+    if megabytes <= 0:  # a zero bound would evict every graph as it is stored: say how to turn the cache off instead
+        raise ValueError(
+            f"ORT_TRAINER_GRAPH_CACHE_MB must be an integer number of MiB > 0, got {text!r} "
+            "(to turn the graph cache off, set ORT_TRAINER_GRAPH_CACHE=0)"
+        )
     return GraphCache(directory, megabytes << 20)
 
 
