@@ -116,8 +116,11 @@ def _pytorch_state(trainer: TrainerState) -> dict[str, Any]:
             continue
         initial = module_state.initial[fqn]
         name = module_state.aliases.get(fqn)
+        buffer = store.buffers.get(module_state.buffer_aliases.get(fqn, ""))  # an integer buffer: its value now
         if name in weights:
             result[fqn] = _clone(weights[name]).to(initial.dtype).cpu()
+        elif buffer is not None:  # num_batches_tracked too: written by the graph, or counted (`count_batch`)
+            result[fqn] = _clone(buffer).cpu()
         elif fqn.endswith("num_batches_tracked"):
             result[fqn] = initial + store.batches_tracked
         else:

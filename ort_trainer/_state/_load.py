@@ -59,9 +59,11 @@ def load_trainer_state_dict(
         state = horizontal.localize(state, pytorch_format=_is_pytorch_format(state))
     missing, unexpected = [], []
     if _is_pytorch_format(state):
+        buffers = _pytorch_buffers(trainer, state)
         state, missing, unexpected = _from_pytorch(trainer, state, strict, opts)
         plan = _validate(trainer, state, False, opts)
         plan["missing"] = [key for key in plan["missing"] if not key.startswith(f"{S.MODEL_KEY}/")]  # listed above
+        plan["buffers"] = buffers
     else:
         plan = _validate(trainer, state, strict, opts)
     _apply(trainer, plan)
@@ -91,6 +93,26 @@ def _check_values(tree: Mapping, where: str) -> None:
 # ---------------------------------------------------------------------------- plain PyTorch dicts
 def _is_pytorch_format(state: Mapping) -> bool:
     return not any(key in state for key in (S.MODEL_KEY, S.OPTIMIZER_KEY, S.TRAIN_STEP_INFO_KEY))
+
+
+def _pytorch_buffers(trainer: TrainerState, state: Mapping) -> dict[str, torch.Tensor]:
+    """The integer buffers of a ``{fqn: tensor}`` dict (a step counter, ``num_batches_tracked``) that the trainer
+    holds (`ParamStore.buffers`), by the store's name; ValueError naming the key whose shape differs."""
+    store = trainer.store
+    aliases = store.state.buffer_aliases
+    matched, _ = KeyMatcher(aliases).match(state.keys(), "state_dict")
+    found = {}
+    for key, name in matched.items():
+        target = store.buffers.get(aliases[name])
+        value = state[key]
+        if target is None or not isinstance(value, torch.Tensor):
+            continue
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"state_dict[{key!r}] has shape {list(value.shape)}, but the model's buffer has {list(target.shape)}"
+            )
+        found[aliases[name]] = value
+    return found
 
 
 def _from_pytorch(
@@ -280,6 +302,8 @@ def _apply(trainer: TrainerState, plan: Mapping[str, Any]) -> None:
     with torch.no_grad():
         for name, value in plan["weights"].items():
             current[name].copy_(value)
+        for name, value in plan.get("buffers", {}).items():
+            store.buffers[name].copy_(value)
     store.extra_state.update(plan.get("extra_state", {}))
     if "optimizer" in plan:
         store.optimizer.load_state_dict(plan["optimizer"], strict=False)

@@ -66,6 +66,9 @@ class LabelSpec:
     classes: int | None  # None: the graph does not say (checked only when ORT fails)
     ignore_index: int | None
     op: str
+    # False: a label on a GPU is not checked before each run (the check would be a host round trip per step);
+    # the autograd engine's and ORTModule's checks, where the graph's gather would wrap a negative label silently
+    on_device: bool = True
 
 
 def find_label_inputs(forward: onnx.ModelProto, input_names: Sequence[str]) -> list[LabelSpec]:
@@ -112,6 +115,8 @@ def check_labels(specs: Sequence[LabelSpec], feeds: Mapping[str, torch.Tensor]) 
         label = feeds.get(spec.name)
         if label is None or spec.classes is None or label.is_floating_point():
             continue
+        if not spec.on_device and label.device.type != "cpu":
+            continue
         bad = _out_of_range(label, spec.classes, spec.ignore_index)
         if bad:
             raise ValueError(_range_message(spec.name, bad, spec.classes, spec.ignore_index))
@@ -124,6 +129,15 @@ def label_range_message(name: str, label: torch.Tensor, classes: int, ignore_ind
 
 
 def _out_of_range(label: torch.Tensor, classes: int, ignore_index: int | None) -> list[int]:
+    """Up to 5 distinct values of ``label`` outside [0, classes) that are not ``ignore_index``, sorted."""
+    if label.numel() == 0:
+        return []
+    if (
+        label.device.type == "cpu" and label.dtype != torch.bool
+    ):  # the common case in one pass: every label a class (no ignore_index either)
+        low, high = torch.aminmax(label)
+        if int(low) >= 0 and int(high) < classes:
+            return []
     wrong = (label < 0) | (label >= classes)
     if ignore_index is not None:
         wrong &= label != ignore_index
@@ -133,10 +147,10 @@ def _out_of_range(label: torch.Tensor, classes: int, ignore_index: int | None) -
 
 
 def _range_message(name: str, bad: list[int], classes: int, ignore_index: int | None) -> str:
-    ignore = f" or the ignore_index {ignore_index}" if ignore_index is not None else ""
+    ignore = f", or the ignore_index {ignore_index}" if ignore_index is not None else ""
     return (
         f"input {name!r} holds class indices {bad} out of range: the model predicts {classes} classes, so a label "
-        f"must be in [0, {classes - 1}]{ignore}"
+        f"must be in [0, {classes - 1}] (the range [0, {classes})){ignore}"
     )
 
 

@@ -26,6 +26,7 @@ import onnx
 import torch
 
 from ort_trainer.config.model_desc import ModelDescription
+from ort_trainer.diagnosis import LabelSpec
 from ort_trainer.graph import explain_trace_failure, onnx_model_parameters
 from ort_trainer.graph.autograd import (
     LOSS_SCALE_INPUT,
@@ -35,6 +36,7 @@ from ort_trainer.graph.autograd import (
     SymbolicShapesError,
     TracedGraph,
     TraceError,
+    class_index_inputs,
     graph_cache_from_env,
     graph_to_onnx,
     onnx_model_problems,
@@ -96,6 +98,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
     first_inputs = dict(zip(desc.input_names, sample_inputs, strict=True))
     cache = graph_cache_from_env(request.graph_cache)
     constants: dict[str, torch.Tensor] = {}
+    label_specs: list[LabelSpec] = []  # model_desc inputs a loss reads as class indices (found in the first graph)
     # the input dims model_desc names with a string: one graph serves every size of them (graph.autograd._symbolic),
     # unless the exporter cannot keep them symbolic (then one graph per shape, said once: `_symbolic_or_static`)
     shapes = _Shapes({n: a for n, a in desc.dynamic_axes().items() if n in desc.input_names})
@@ -121,7 +124,9 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         count = traced.state_count  # the state comes first (a cached graph's names then list its random inputs too)
         for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
             if name not in trainable and name not in frozen and name not in desc.input_names:
-                constants.setdefault(name, value.detach().clone())
+                constants.setdefault(name, _buffer_input(store.buffers, name, value))
+        if feeds is None and training:
+            label_specs[:] = _label_specs(traced, desc)
         return AutogradGraphs(model, traced.names(), dict(zip(desc.input_names, inputs, strict=True)))
 
     def explain(feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
@@ -169,9 +174,38 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         sample_inputs,
         eval_model=None,
         output_types=_output_types(first.model),
-        tracks_batches=bool(first.names.updated),  # BatchNorm statistics are the buffers a forward writes
+        # the graph itself writes BatchNorm's num_batches_tracked (a buffer its forward writes): no count beside it
+        tracks_batches=False,
+        label_specs=label_specs,
         loss_scale_input=LOSS_SCALE_INPUT if precision.loss_scale else None,
     )
+
+
+def _label_specs(traced: TracedGraph, desc: ModelDescription) -> list[LabelSpec]:
+    """The ``model_desc`` inputs a cross-entropy / NLL loss reads as class indices: checked before every run
+    (`diagnosis.check_labels`), since the graph's gather would take a negative label as a class from the end.
+    On a GPU they are not checked per step (that would be a host round trip each step)."""
+    names = traced.input_names
+    return [
+        LabelSpec(names[found.position], found.classes, found.ignore_index, "nll_loss", on_device=False)
+        for found in class_index_inputs(traced.module)
+        if found.position < len(names) and names[found.position] in desc.input_names
+    ]
+
+
+def _buffer_input(buffers: Mapping[str, torch.Tensor], name: str, sample: torch.Tensor) -> torch.Tensor:
+    """The tensor the graph input of the module's buffer ``name`` is bound to: the store's (`ParamStore.buffers`),
+    which the module's buffer is a view of, so that what the user writes between steps is what the next step
+    reads. A buffer the store does not hold (one registered after the trainer was built) is refused by name: a
+    copy taken now would silently ignore every later write."""
+    held = buffers.get(name)
+    if held is None or held.shape != sample.shape or held.dtype != sample.dtype:
+        raise ValueError(
+            f"the module's buffer {name!r} ({sample.dtype}, shape {list(sample.shape)}) is not the one it had when "
+            "the ORTTrainer was built (registered or replaced afterwards); register every buffer before building "
+            "the trainer, and change its value in place (buffer.fill_(...), buffer.copy_(...))"
+        )
+    return held
 
 
 class _Shapes:

@@ -9,8 +9,8 @@ buffers), and a step binds only the user's inputs:
   of the flat gradient buffer, so ONNX Runtime writes the gradients where the optimizer reads them;
 * a later micro-step binds them to a scratch flat buffer of the same layout (made on first use, zeroed
   where no gradient lands) and adds it to the gradient buffer in one vectorised ``add_``;
-* ``<buffer>_updated`` values (BatchNorm running statistics, PyTorch's own update) are copied into the
-  frozen state after the run.
+* ``<buffer>_updated`` values (BatchNorm running statistics and counter, PyTorch's own update) are copied into
+  the frozen state or the other buffers after the run.
 
 A new shape of a dynamic ``model_desc`` dim is traced and exported again (from the on-disk graph cache
 when it was seen before) and gets its own session; the ``max_shapes`` most recent ones are kept.
@@ -91,7 +91,7 @@ class _ShapeSession:
         self.bind_state(owner._state)
         names = graphs.names
         self.grad_names = [(n, n + "_grad") for n in names.trained] if training else []
-        self.updated = [(n, n + "_updated") for n in names.updated] if training else []
+        self.updated = [(n, n + "_updated") for n in names.updated]  # eval graphs too: what the forward wrote
         read = set(owner._user_outputs) | {out for _, out in self.updated}
         grad_outputs = {out for _, out in self.grad_names}
         self.out = _OutputBinding(self.session, self.io, device, read - grad_outputs)
@@ -160,6 +160,7 @@ class AutogradSession:
         self._params, self._grads, self._flat_grads = params, grads, flat_grads
         self._frozen, self._constants = frozen, constants
         self._state = {**params, **frozen, **constants}
+        self._written = {**frozen, **constants}  # what a forward's buffer writes (`<name>_updated`) are copied into
         self._scratch: torch.Tensor | None = None
         self._scratch_views: dict[str, torch.Tensor] = {}
         self._run_options = _run_options(device, shrink_arena)
@@ -223,7 +224,7 @@ class AutogradSession:
         if not reset_grad:
             self._flat_grads.add_(self._scratch)
         for name, output in shape.updated:
-            self._frozen[name].copy_(outputs[output])
+            self._written[name].copy_(outputs[output])
         if not self._trimmed:  # the first run's scratch, which glibc would keep resident (see TrainingSession)
             self._trimmed = True
             release_freed_memory(collect=False)  # native memory: no Python garbage to collect
@@ -232,6 +233,8 @@ class AutogradSession:
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         shape = self._session_for(self._eval, self._signature(inputs), training=False, inputs=inputs)
         outputs = self._run(shape, inputs)
+        for name, output in shape.updated:
+            self._written[name].copy_(outputs[output])
         return {name: outputs[name] for name in self._user_outputs if name in outputs}
 
     # ---------------------------------------------------------------- internals

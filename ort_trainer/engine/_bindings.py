@@ -59,6 +59,7 @@ class ModuleLinks:
         self._model, self._device = weakref.ref(model), device
         self._links = links
         self._expected: list[int] = []
+        self._dtypes: list[torch.dtype] = []  # the store's dtype of each (float32, or an integer buffer's own)
         self._checks: list[tuple] = []
         self.token = next(_TOKENS)
         _OWNER[model] = self.token
@@ -70,6 +71,7 @@ class ModuleLinks:
     def refresh(self, weights: dict[str, torch.Tensor]) -> None:
         """Record where each shared tensor must point (after construction, and after the storage moved)."""
         self._expected = [weights[link.state_name].data_ptr() for link in self._links]
+        self._dtypes = [weights[link.state_name].dtype for link in self._links]
         self._checks = [
             (link.slot, link.key, expected, link.requires_grad)
             for link, expected in zip(self._links, self._expected, strict=True)
@@ -97,11 +99,11 @@ class ModuleLinks:
                 "options={'utils': {'share_module_parameters': False}} to keep both"
             )
         wrong_dtype, moved, replaced, flags = [], [], [], []
-        for link, expected in zip(self._links, self._expected, strict=True):
+        for link, expected, dtype in zip(self._links, self._expected, self._dtypes, strict=True):
             tensor = link.slot.get(link.key)
             if tensor is None:
                 replaced.append(f"{link.name} (removed)")
-            elif tensor.dtype != torch.float32:
+            elif tensor.dtype != dtype:
                 wrong_dtype.append(f"{link.name} ({tensor.dtype})")
             elif tensor.device != self._device:
                 moved.append(f"{link.name} ({tensor.device})")

@@ -47,7 +47,7 @@ def train_step(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tenso
     _rank_check.finish_rank_check(state, pending_check)
     info.step = step
     if engine.tracks_batches:
-        state.store.batches_tracked += 1
+        state.store.count_batch()
     if step % accumulation == 0:
         info.all_finite = _update(state, engine, _current_lr(state), accumulation, scaler)
         if info.all_finite:

@@ -43,6 +43,10 @@ class ModelState:
     extra_state: dict[str, Any]  # {canonical FQN ending in _extra_state: deep copy of get_extra_state()}
     float_state: list[str] = field(default_factory=list)  # distinct float tensors (params + buffers), in order
     order: list[str] = field(default_factory=list)  # canonical state_dict() keys, in the module's order
+    # the module's other buffers (integer, bool, and float ones outside the state dict: non-persistent): every
+    # canonical FQN -> the name it is held under (tied aliases too), and the distinct ones (detached, the module's)
+    buffer_aliases: dict[str, str] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def model_state(model: torch.nn.Module | onnx.ModelProto) -> ModelState:
@@ -71,7 +75,29 @@ def model_state(model: torch.nn.Module | onnx.ModelProto) -> ModelState:
             aliases[name] = first
             if first == name:
                 float_state.append(name)
-    return ModelState(parameters, requires_grad, aliases, initial, extra, float_state, order)
+    buffer_aliases, buffers = _other_buffers(model, aliases)
+    return ModelState(parameters, requires_grad, aliases, initial, extra, float_state, order, buffer_aliases, buffers)
+
+
+def _other_buffers(
+    model: torch.nn.Module, aliases: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The buffers that are not float state (``aliases``): integer and bool ones (a step counter,
+    ``num_batches_tracked``, position ids) and non-persistent float ones (a temperature, rotary ``inv_freq``).
+
+    They are state all the same: the user may write them between steps and the forward may write them, and the
+    graph must read what they hold at each step (`ParamStore.buffers`), not what they held when it was built."""
+    owner: dict[int, str] = {}
+    buffer_aliases, buffers = {}, {}
+    for raw, tensor in model.named_buffers(remove_duplicate=False):
+        name = canonical_name(model, raw)
+        if tensor is None or name in aliases:
+            continue
+        first = owner.setdefault(id(tensor), name)
+        buffer_aliases[name] = first
+        if first == name:
+            buffers[name] = tensor.detach()
+    return buffer_aliases, buffers
 
 
 def _onnx_state(model: onnx.ModelProto) -> ModelState:
@@ -101,6 +127,10 @@ class ParamStore:
     param_views: dict[str, torch.Tensor]
     grad_views: dict[str, torch.Tensor]
     frozen: dict[str, torch.Tensor]  # non-trainable float state (frozen weights, buffers), canonical names
+    # the module's other buffers (`ModelState.buffers`) on the trainer's device, in their own dtypes: graph inputs
+    # bound once like the frozen state, so a write between steps (through the module, whose buffers are views of
+    # these with share_module_parameters) is read by the next step; a write by the forward comes back into them
+    buffers: dict[str, torch.Tensor]
     optimizer: FlatOptimizer | ShardedOptimizer | None  # set right after allocation (build_store)
     dist: DistributedContext | None = None
     zero: ZeroPartition | None = None
@@ -115,6 +145,20 @@ class ParamStore:
     def weights(self) -> dict[str, torch.Tensor]:
         """Every float state tensor by its name: trainable views, then frozen state."""
         return {**self.param_views, **self.frozen}
+
+    def count_batch(self) -> None:
+        """One BatchNorm forward in training mode by an engine whose graph does not count it (onnxblock): every
+        ``num_batches_tracked`` buffer advances, as torch's BatchNorm advances it (a kernel each, no host wait)."""
+        self.batches_tracked += 1
+        for name, tensor in self.buffers.items():
+            if name.rsplit(".", 1)[-1] == "num_batches_tracked":
+                tensor.add_(1)
+
+    @property
+    def module_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the module's parameters and buffers can be views of: the float state, then the other
+        buffers (`share_module_state`)."""
+        return {**self.weights, **self.buffers}
 
     @property
     def frozen_parameters(self) -> list[str]:
@@ -168,11 +212,12 @@ def build_store(
     store = _allocate(state, layout, zero, device, dist)
     _shapes_only(state, store)
     store.guard = BindingGuard(
-        lambda: [store.padded_params, store.padded_grads, *store.frozen.values()], lambda: store.weights
+        lambda: [store.padded_params, store.padded_grads, *store.frozen.values(), *store.buffers.values()],
+        lambda: store.module_tensors,
     )
     if share_with is not None:
         share_module_state(share_with, store)
-        store.guard.links = link_module(share_with, state.aliases, store.weights)
+        store.guard.links = link_module(share_with, {**state.aliases, **state.buffer_aliases}, store.module_tensors)
     store.padded_grads.zero_()  # its pages are touched only now (torch.empty in _allocate)
     if zero is not None:
         store.optimizer = ShardedOptimizer(optim_config, zero, store.padded_params, store.padded_grads)
@@ -201,6 +246,8 @@ def _allocate(state: ModelState, layout: FlatLayout, zero, device: torch.device,
         for name in state.float_state
         if name not in param_views
     }
+    buffers = {name: tensor.to(device=device).clone() for name, tensor in state.buffers.items()}
+    state.buffers = {}  # the store's copies are the values from here on (the module's may become views of them)
     if dist is not None:  # every rank starts from rank 0's weights
         dist.broadcast_(params)
         for tensor in frozen.values():
@@ -215,6 +262,7 @@ def _allocate(state: ModelState, layout: FlatLayout, zero, device: torch.device,
         param_views=param_views,
         grad_views=grad_views,
         frozen=frozen,
+        buffers=buffers,
         optimizer=None,
         dist=dist,
         zero=zero,
@@ -237,19 +285,22 @@ def _shapes_only(state: ModelState, store: ParamStore) -> None:
 
 
 def share_module_state(model: torch.nn.Module, store: ParamStore) -> list[str]:
-    """Make the module's float parameters and buffers views of the store's tensors; returns their names.
+    """Make the module's float parameters and its buffers views of the store's tensors; returns their names.
 
     ``options.utils.share_module_parameters``: the weights are then held once (the module's own
     storage is released unless the caller holds it elsewhere), and the module shows the trainer's
     current values, as a module trained by a torch optimizer would. Tensors whose dtype or device
     differ from the store's (a float16 buffer, a trainer on another device) keep their own storage.
     """
-    held = store.weights
+    held = store.module_tensors
+    aliases = {**store.state.aliases, **store.state.buffer_aliases}
     shared = []
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     with torch.no_grad():
         for raw, tensor in named:
-            name = store.state.aliases.get(canonical_name(model, raw))
+            if tensor is None:
+                continue
+            name = aliases.get(canonical_name(model, raw))
             target = held.get(name)
             if target is None or _kind(target) != _kind(tensor):
                 continue

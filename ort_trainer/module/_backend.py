@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ort_trainer.graph.autograd import SymbolicShapesError, graph_cache_from_env, training_decompositions
 
-from ._graph import OrtGraph
+from ._graph import OrtGraph, user_input_names
 from ._per_shape import PerShapeGraphs
 from ._sizes import is_symbolic
 
@@ -37,9 +37,9 @@ __all__ = ["ort_backend"]
 _log = logging.getLogger("ort_trainer")
 
 
-def _compiler(kind: str, said: list[str]) -> Callable:
+def _compiler(kind: str, said: list[str], names: Sequence[str]) -> Callable:
     def compile_graph(module: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-        graph = _graph(module, example_inputs, kind, said)
+        graph = _graph(module, example_inputs, kind, said, names)
         if kind != "backward":
             return graph
         # the backward runs outside Dynamo (it must not be traced), still called boxed: `aot_autograd` would wrap
@@ -58,15 +58,17 @@ def _compiler(kind: str, said: list[str]) -> Callable:
     return compile_graph
 
 
-def _graph(module: torch.fx.GraphModule, example_inputs: Sequence, kind: str, said: list[str]) -> Callable:
+def _graph(
+    module: torch.fx.GraphModule, example_inputs: Sequence, kind: str, said: list[str], names: Sequence[str]
+) -> Callable:
     """One `OrtGraph`; where its sizes are symbolic and the exporter refuses them, one graph per call's sizes
-    (`PerShapeGraphs`), said once per Dynamo graph with the reason."""
+    (`PerShapeGraphs`), said once per Dynamo graph with the reason. ``names``: the Dynamo graph's inputs."""
     cache = graph_cache_from_env()
     if not any(is_symbolic(e) for e in example_inputs):
-        return OrtGraph(module, example_inputs, kind, cache)
+        return OrtGraph(module, example_inputs, kind, cache, names)
     original = torch.fx.GraphModule(module, copy.deepcopy(module.graph))  # `OrtGraph` rewrites `module`
     try:
-        return OrtGraph(module, example_inputs, kind, cache)
+        return OrtGraph(module, example_inputs, kind, cache, names)
     except SymbolicShapesError as error:
         if not said:
             _log.warning(
@@ -170,10 +172,11 @@ def ort_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, **kwargs) ->
     with them gets one graph per shape, with a warning that says why.
     """
     said: list[str] = []  # the fall-back to graphs per shape, said once for the graphs of this Dynamo graph
+    names = user_input_names(gm)  # what a message calls an input (a label out of range)
     backend = aot_autograd(
-        fw_compiler=_compiler("forward", said),
-        bw_compiler=_compiler("backward", said),
-        inference_compiler=_compiler("inference", said),
+        fw_compiler=_compiler("forward", said, names),
+        bw_compiler=_compiler("backward", said, names),
+        inference_compiler=_compiler("inference", said, names),
         partition_fn=_partition,
         decompositions=_decompositions(),
     )

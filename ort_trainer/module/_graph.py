@@ -38,7 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from ort_trainer.diagnosis import quiet_native_info_logs
+from ort_trainer.diagnosis import label_range_message, quiet_native_info_logs
 from ort_trainer.engine import DeviceSpec, from_ortvalue, resolve_device, to_ortvalue, use_shared_cpu_arena
 from ort_trainer.graph.autograd import (
     DISABLED_ORT_OPTIMIZERS,
@@ -46,6 +46,7 @@ from ort_trainer.graph.autograd import (
     RandomInput,
     TracedGraph,
     TraceError,
+    class_index_inputs,
     lift_random_ops,
     missing_kernel_error,
     output_dtype_error,
@@ -54,9 +55,62 @@ from ort_trainer.graph.autograd import (
 from ._export import exported, folded_outputs
 from ._sizes import SymbolicSizes, is_symbolic
 
-__all__ = ["OrtGraph", "session_options"]
+__all__ = ["OrtGraph", "session_options", "user_input_names"]
 
 _log = logging.getLogger("ort_trainer")
+
+
+@dataclass(frozen=True)
+class _LabelInput:
+    """A graph input that a cross-entropy / NLL loss inside the module reads as class indices."""
+
+    position: int  # among the graph's inputs
+    name: str  # the forward's argument it comes from, for the message
+    classes: int
+    ignore_index: int
+
+
+def user_input_names(gm: torch.fx.GraphModule) -> list[str]:
+    """The Dynamo graph's inputs as the user knows them: ``label`` for the forward's argument ``label``, else
+    Dynamo's source (``L['batch']['labels']``), else the placeholder's name."""
+    names = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        text = getattr(source, "name", None)  # a property or a method, by torch version
+        text = text() if callable(text) else text
+        text = text if isinstance(text, str) and text else node.name
+        names.append(text[3:-2] if text.startswith("L['") and text.endswith("']") and "[" not in text[3:-2] else text)
+    return names
+
+
+def _label_inputs(module: torch.fx.GraphModule, user_names: Sequence[str]) -> list[_LabelInput]:
+    """The class-index inputs of an AOTAutograd forward or inference graph (`class_index_inputs`), named after
+    the Dynamo graph's input each one is (AOTAutograd's ``PlainAOTInput(idx)`` says which)."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    found = []
+    for spec in class_index_inputs(module):
+        if spec.classes is None:  # a symbolic class dim: nothing to compare with before the run
+            continue
+        index = getattr(placeholders[spec.position].meta.get("desc"), "idx", None)
+        named = isinstance(index, int) and 0 <= index < len(user_names)
+        name = user_names[index] if named else f"{placeholders[spec.position].name} (a loss's target)"
+        found.append(_LabelInput(spec.position, name, spec.classes, spec.ignore_index))
+    return found
+
+
+def _check_labels(labels: Sequence[_LabelInput], inputs: Sequence[Any]) -> None:
+    """ValueError, as eager PyTorch raises one, for a class index outside [0, classes) that is not the loss's
+    ignore_index: ONNX's gather would take a negative one as a class from the end, silently. CPU tensors only:
+    on a GPU the check would be a host round trip at every call."""
+    for label in labels:
+        tensor = inputs[label.position]
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or tensor.is_floating_point():
+            continue
+        message = label_range_message(label.name, tensor, label.classes, label.ignore_index)
+        if message is not None:
+            raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -97,9 +151,20 @@ class OrtGraph:
 
     _boxed_call = True  # AOTAutograd passes the argument list itself (and may free it: we do not keep it)
 
-    def __init__(self, module: torch.fx.GraphModule, example_inputs: Sequence, kind: str, cache: GraphCache | None):
+    def __init__(
+        self,
+        module: torch.fx.GraphModule,
+        example_inputs: Sequence,
+        kind: str,
+        cache: GraphCache | None,
+        user_names: Sequence[str] = (),
+    ):
+        """``user_names``: the names of the Dynamo graph's inputs (the forward's arguments), by their position
+        there, for messages (`user_input_names`)."""
         start = time.perf_counter()
         self.kind = kind
+        # inputs a loss in the module reads as class indices: checked at each call (read before the graph changes)
+        self._labels = _label_inputs(module, user_names) if kind != "backward" else []
         # sizes Dynamo made symbolic: one graph for all of them (`_sizes`); None: every size static
         self.sizes = SymbolicSizes() if any(is_symbolic(e) for e in example_inputs) else None
         size = self.sizes.size if self.sizes is not None else int
@@ -197,6 +262,7 @@ class OrtGraph:
             given[0].clear()
         else:
             inputs = list(given)
+        _check_labels(self._labels, inputs)
         values = self.sizes.values(inputs) if self.sizes is not None else ()
         inputs += [_draw(r, *size(values), self.device) for r, size in zip(self.random, self._draw_sizes, strict=True)]
         if self._constants is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from ._cache import GraphCache, graph_cache_from_env
 from ._decompositions import training_decompositions
 from ._kernels import UnsupportedDtypeError, missing_kernel_error, output_dtype_error
+from ._labels import ClassIndexInput, class_index_inputs
 from ._onnx_module import OnnxModule, onnx_model_problems
 from ._onnx_passes import DISABLED_ORT_OPTIMIZERS, collapse_layout_chains, fold_zero_scatter_adds
 from ._precision import LOSS_SCALE_INPUT, Precision
@@ -41,6 +42,7 @@ from ._to_onnx import graph_to_onnx
 from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, trace_graph
 
 __all__ = [
+    "ClassIndexInput",
     "DISABLED_ORT_OPTIMIZERS",
     "GraphCache",
     "GraphNames",
@@ -53,6 +55,7 @@ __all__ = [
     "TracedGraph",
     "UnsupportedDtypeError",
     "broken_guard",
+    "class_index_inputs",
     "collapse_layout_chains",
     "fold_zero_scatter_adds",
     "graph_cache_from_env",

@@ -11,8 +11,9 @@ is ``torch.autograd.grad`` of the loss, traced below the dispatcher as AOTAutogr
 are PyTorch's own (``padding_idx``, ``ignore_index``, ``no_grad`` regions, ``detach`` and custom
 ``autograd.Function`` backward included). A trainable parameter the loss does not reach gets no output
 (``TracedGraph.idle``): like a torch parameter whose ``grad`` stays ``None``, it is never updated.
-Float buffers that the forward writes in place (BatchNorm's running statistics) come back as
-``<name>_updated`` outputs, computed by PyTorch's own update (unbiased running variance included).
+Buffers that the forward writes in place (BatchNorm's running statistics and ``num_batches_tracked``, a counter
+of the model's own) come back as ``<name>_updated`` outputs, computed by PyTorch's own update (unbiased running
+variance included).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ __all__ = [
 ]
 
 GRAD_SUFFIX = "_grad"  # output "<param>_grad": the parameter's gradient
-UPDATED_SUFFIX = "_updated"  # output "<buffer>_updated": a float buffer's value after the forward
+UPDATED_SUFFIX = "_updated"  # output "<buffer>_updated": a buffer's value after the forward
 _PREFIX = "model."  # ModelWithLoss holds the module as `model`
 _LIBRARY_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[2]))
 
@@ -130,7 +131,7 @@ class TracedGraph:
     sample_args: tuple[torch.Tensor, ...]  # real tensors, in input order (the exporter's example inputs)
     trained: list[str] = field(default_factory=list)  # parameters with a gradient output
     idle: list[str] = field(default_factory=list)  # trainable parameters the loss does not reach
-    updated: list[str] = field(default_factory=list)  # float buffers written by the forward
+    updated: list[str] = field(default_factory=list)  # buffers written by the forward (frozen state, then others)
     unused_inputs: tuple[str, ...] = ()  # model_desc inputs the graph never reads
     state_count: int = 0  # the first `state_count` inputs are state, then the model_desc inputs
     random_inputs: list[RandomInput] = field(default_factory=list)  # last inputs: the step's random draws
@@ -159,9 +160,9 @@ class TracedGraph:
             mode = "symbolic" if symbolic is not None else "fake"
             table = training_decompositions()
             module = make_fx(functional, decomposition_table=table, tracing_mode=mode)(*args)
+        self.updated = _keep_written(module, frozen)  # eval mode too: a forward that counts its calls
+        self.output_names += [n + UPDATED_SUFFIX for n in self.updated]
         if training:
-            self.updated = _keep_written(module, frozen)
-            self.output_names += [n + UPDATED_SUFFIX for n in self.updated]
             try:
                 self.random_inputs = lift_random_ops(module, size=symbolic.expression if symbolic else int)
             except ValueError as error:
@@ -286,7 +287,8 @@ def trace_graph(
     """Trace ``model`` (+ ``loss_fn``) with its state given as tensors, named by canonical names.
 
     ``trainable`` / ``frozen``: canonical name -> tensor (the trainer's views; only shapes and dtypes are
-    read). Buffers that are not float (position ids, ``num_batches_tracked``) are taken from the module.
+    read). The module's other buffers (integer ones such as position ids and ``num_batches_tracked``, non-persistent
+    float ones) are graph inputs too, named as the module names them; the trainer feeds their current values.
     ``training``: the joint forward + backward graph in train mode, else the forward in eval mode.
     ``precision``: float32, or traced under ``torch.autocast`` (mixed precision), with a loss-scale input
     after the ``model_desc`` inputs when it scales the loss (`Precision`; None: float32).
@@ -349,7 +351,7 @@ def trace_graph(
         unused_inputs=unused,
         state_count=len(names),
         symbolic=symbolic,
-        _pending=(what, list(frozen), training),
+        _pending=(what, [*frozen, *constants], training),  # every buffer the forward may write
     )
 
 
@@ -365,10 +367,12 @@ def _graph_function(wrapper, desc: ModelDescription, state_names, training: bool
         constant_values, rest = rest[: counts[2]], rest[counts[2] :]
         inputs, extra = rest[: counts[3]], rest[counts[3] :]
         leaves = [p.detach().requires_grad_(training) for p in params]
-        frozen_copies = [t.clone() for t in frozen_values]  # written in place by BatchNorm: returned as outputs
+        # buffers written in place by the forward (BatchNorm's statistics and counter): clones, returned as outputs
+        frozen_copies = [t.clone() for t in frozen_values]
+        constant_copies = [t.clone() for t in constant_values]
         state = {_PREFIX + n: t for n, t in zip(trainable, leaves, strict=True)}
         state.update({_PREFIX + n: t for n, t in zip(frozen, frozen_copies, strict=True)})
-        state.update({_PREFIX + n: t.clone() for n, t in zip(constants, constant_values, strict=True)})
+        state.update({_PREFIX + n: t for n, t in zip(constants, constant_copies, strict=True)})
         with contextlib.nullcontext() if training else torch.no_grad(), precision.forward(params):
             outputs = functional_call(wrapper, state, tuple(inputs), strict=False)
         outputs = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
@@ -377,8 +381,8 @@ def _graph_function(wrapper, desc: ModelDescription, state_names, training: bool
                 f"the model (with loss_fn: the loss followed by the model's predictions) returned {len(outputs)} "
                 f"outputs, but model_desc declares {len(desc.output_names)}: {list(desc.output_names)}"
             )
-        if not training:
-            return tuple(precision.outputs(outputs))
+        if not training:  # the buffers it wrote too (not BatchNorm's in eval mode; a counter of the model's own)
+            return (*precision.outputs(outputs), *frozen_copies, *constant_copies)
         loss = outputs[desc.loss_index]
         if not loss.requires_grad:
             raise ValueError(
@@ -390,15 +394,17 @@ def _graph_function(wrapper, desc: ModelDescription, state_names, training: bool
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         result["trained"] = [n for n, g in zip(trainable, grads, strict=True) if g is not None]
         detached = [o.detach() for o in precision.outputs(outputs)]
-        return (*detached, *[g for g in grads if g is not None], *frozen_copies)  # unchanged ones: `_keep_written`
+        # the unchanged buffers are dropped by `_keep_written`
+        return (*detached, *[g for g in grads if g is not None], *frozen_copies, *constant_copies)
 
     return run, result
 
 
 def _keep_written(module: torch.fx.GraphModule, frozen: list[str]) -> list[str]:
-    """Drop the frozen-state outputs the forward did not write; the names of those it did, in order.
+    """Drop the buffer outputs (``frozen``: the frozen state, then the other buffers) the forward did not write;
+    the names of those it did, in order.
 
-    Each frozen tensor enters the graph as a ``clone`` of its placeholder, and make_fx returns the last
+    Each such tensor enters the graph as a ``clone`` of its placeholder, and make_fx returns the last
     node that produced it: the clone itself when nothing wrote to it, an in-place op (BatchNorm's ``copy_``)
     when something did. (Version counters cannot tell: make_fx records in-place ops without bumping them.)
     """
