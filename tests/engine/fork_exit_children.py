@@ -5,11 +5,14 @@ thread pools and ONNX Runtime's own background threads exist in the parent), the
 do some work and leave the way a normal program does, never through ``os._exit``:
 
 * ``trainer-sys-exit``: builds its own trainer, trains three steps, saves a checkpoint, writes a text file it
-  never closes, prints without flushing, and calls ``sys.exit(0)``;
+  never closes and an HDF5 file Python never frees (a leaked reference), prints without flushing, and
+  calls ``sys.exit(0)``;
 * ``trainer-falls-off``: the same, and returns to the end of this module (exit status 0);
-* ``exit-code``: trains and calls ``sys.exit(5)``: the parent must see 5;
+* ``exit-code``: writes the file and prints (no training: the import alone made the exit hang) and calls
+  ``sys.exit(5)``: the parent must see 5;
 * ``ortmodule``: trains an ``ORTModule`` three steps and calls ``sys.exit(0)``;
-* ``mp-fork``: a ``multiprocessing`` worker (fork start method) that trains and returns from its target.
+* ``mp-fork``: a ``multiprocessing`` worker (fork start method) that trains, writes the text file and returns
+  from its target (no HDF5 file: multiprocessing ends a worker with ``os._exit``, which closes nothing).
 
 The children get ``DEADLINE`` seconds together; one still running then is killed and reported as hung. Prints one JSON
 line: per child its exit code (or ``"hung"``) and its captured stdout.
@@ -17,6 +20,7 @@ line: per child its exit code (or ``"hung"``) and its captured stdout.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
 import os
@@ -24,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import torch
 
 from ort_trainer import ORTModule
@@ -34,13 +39,20 @@ DEADLINE = 60.0
 KINDS = ("trainer-sys-exit", "trainer-falls-off", "exit-code", "ortmodule")
 
 
-def _train_a_trainer(out: Path, kind: str) -> None:
-    """Train a fresh trainer three steps, save it, and leave a file and stdout for the exit to flush."""
-    trainer = mlp_trainer()
-    losses = [float(trainer.train_step(*batch)) for batch in mlp_batches(3)]
-    trainer.save_checkpoint(out / f"{kind}.ortcp")
+def _train_a_trainer(out: Path, kind: str, train: bool = True) -> None:
+    """Train a fresh trainer three steps and save it (``train``), and leave a file and stdout for the exit to
+    flush."""
+    losses = []
+    if train:
+        trainer = mlp_trainer()
+        losses = [float(trainer.train_step(*batch)) for batch in mlp_batches(3)]
+        trainer.save_checkpoint(out / f"{kind}.ortcp")
     unclosed = open(out / f"{kind}.txt", "w")  # noqa: SIM115 -- the exit must flush and close it
     unclosed.write(f"{kind} wrote this\n")
+    if kind != "mp-fork":  # multiprocessing ends its workers with os._exit: nothing closes HDF5 there
+        leaked = h5py.File(out / f"{kind}.h5", "w")
+        leaked["steps"] = list(range(len(losses)))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(leaked))  # never freed by Python: only HDF5's close at exit
     print(f"{kind} losses {losses}")  # stdout is a pipe: block-buffered, flushed only by the exit
 
 
@@ -85,7 +97,7 @@ def _fork(kind: str, out: Path) -> tuple[int, int]:
     if kind == "ortmodule":
         _train_an_ortmodule()
         sys.exit(0)
-    _train_a_trainer(out, kind)
+    _train_a_trainer(out, kind, train=kind != "exit-code")
     if kind == "exit-code":
         sys.exit(5)
     if kind == "trainer-sys-exit":

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import h5py
 import pytest
 import torch
 
@@ -41,7 +42,13 @@ def test_forked_children_that_train_exit_normally_with_their_code_and_their_outp
         assert report[kind]["stdout"].startswith(f"{kind} losses ["), report[kind]
     assert report["ortmodule"]["stdout"] == "ortmodule trained\n"
     expected = checkpoint.load(tmp_path / "trainer-sys-exit.ortcp")
-    for kind in ("trainer-sys-exit", "trainer-falls-off", "exit-code", "mp-fork"):
+    assert (tmp_path / "exit-code.txt").read_text() == "exit-code wrote this\n"
+    with h5py.File(tmp_path / "exit-code.h5", "r") as f:
+        assert f["steps"].shape == (0,)
+    for kind in ("trainer-sys-exit", "trainer-falls-off", "mp-fork"):
         assert (tmp_path / f"{kind}.txt").read_text() == f"{kind} wrote this\n"
+        if kind != "mp-fork":
+            with h5py.File(tmp_path / f"{kind}.h5", "r") as f:
+                assert f["steps"][()].tolist() == [0, 1, 2], kind
         loaded = checkpoint.load(tmp_path / f"{kind}.ortcp")  # the same three steps from the same seed
         torch.testing.assert_close(loaded["model"], expected["model"], rtol=0, atol=0)
