@@ -40,6 +40,8 @@ ONNXBLOCK_ONLY = frozenset(
         "graph/test_scaled_sum.py",
         "graph/test_split_accumulation.py",
         "distributed/test_megatron.py",
+        # shared-memory storage trained on the onnxblock engine (the autograd side: engine/test_bound_storage.py)
+        "engine/test_shared_storage_onnxblock.py",
     }
 )
 # Single tests that mean the onnxblock engine (its graph passes, fp16 graphs, Megatron, its
@@ -141,6 +143,10 @@ SLOW_TESTS = frozenset(
         # 40 s at load 5 (runs on stock onnxruntime since forked children exit: engine/_fork_safety.py)
         "checkpoint/test_checkpoint_fork.py::"
         "test_children_forked_at_every_phase_of_an_async_save_never_touch_the_published_file",
+        # 23 s and 29 s at load 7 (both engines' first builds; a spawned process that imports torch and ORT)
+        "engine/test_shared_storage_onnxblock.py::"
+        "test_shared_memory_module_trains_on_onnxblock_like_torch_and_the_autograd_engine",
+        "engine/test_shared_storage_onnxblock.py::test_a_module_received_through_a_spawn_queue_trains_on_onnxblock_like_torch",
         "hf/test_shapes.py::test_lm_collator_group_by_length_and_other_eval_batches_use_one_graph_each",  # 67 s loaded
         "engine/test_symbolic_shapes.py::test_one_graph_trains_and_evaluates_like_torch_at_every_shape",  # 75 s loaded
         # 28 s at load 4
