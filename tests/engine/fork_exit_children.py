@@ -67,7 +67,15 @@ def _train_an_ortmodule() -> None:
     print("ortmodule trained")
 
 
+def _single_threaded_torch() -> None:
+    """A torch built with GNU OpenMP (the onnxruntime-training venv's) hangs in a forked child that runs a parallel
+    op after the parent did (libgomp is not fork-safe; not ONNX Runtime's exit): children use one thread, as
+    DataLoader workers do."""
+    torch.set_num_threads(1)
+
+
 def _mp_target(out: str) -> None:
+    _single_threaded_torch()
     _train_a_trainer(Path(out), "mp-fork")
 
 
@@ -91,6 +99,7 @@ def _fork(kind: str, out: Path) -> tuple[int, int]:
         os.close(write)
         return pid, read
     os.close(read)
+    _single_threaded_torch()
     os.dup2(write, 1)
     os.close(write)
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 -- a fresh block-buffered stream on the pipe
