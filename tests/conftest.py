@@ -138,7 +138,7 @@ SLOW_TESTS = frozenset(
         "distributed/test_objects_distributed.py::"
         "test_ddp_writes_once_and_zero_shards_aggregate_and_load_into_any_world_size",
         "engine/test_fork_safety.py::test_a_forked_child_frees_its_inherited_trainer_without_hanging",  # 24 s
-        # 34-55 s at load 5-6 (five forked children, three build a trainer)
+        # 12 s at load 3, 34-55 s at load 5-6 (five forked children, three build a trainer)
         "engine/test_fork_exit.py::test_forked_children_that_train_exit_normally_with_their_code_and_their_output",
         # 40 s at load 5 (runs on stock onnxruntime since forked children exit: engine/_fork_safety.py)
         "checkpoint/test_checkpoint_fork.py::"

@@ -68,7 +68,13 @@ def _loaded_hdf5() -> ctypes.CDLL | None:
         return None
     for path in sorted(paths):
         if _HDF5_LIBRARY.search(path):
-            return ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL)
+            try:
+                library = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL)
+            except OSError as exc:
+                _log.debug("fork child: cannot open the loaded HDF5 library %s: %s", path, exc)
+                continue
+            if hasattr(library, "H5close"):
+                return library
     return None
 
 
