@@ -66,8 +66,8 @@ test-hf: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "hf_long and $(STOCK)" tests
 
 # onnxruntime-training: the main suite (its default engine there is onnxblock), the onnxblock zoo (the autograd zoo
-# runs in `make test-zoo`) and every test that means the onnxblock engine, fault suites included (Megatron runs,
-# forks during saves: the stock venv cannot run them). tests/checkpoint (files, sets, storage: no graph) runs in
+# runs in `make test-zoo`) and every test that means the onnxblock engine, fault suites included (Megatron runs:
+# the stock venv cannot run them). tests/checkpoint (files, sets, storage: no graph) runs in
 # `make test` only, and the slow tests (multi-rank runs, samples, fresh-process resumes) in `make test-slow` only,
 # unless they mean the onnxblock engine.
 test-onnxblock: $(OB_STAMP)

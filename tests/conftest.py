@@ -40,12 +40,8 @@ ONNXBLOCK_ONLY = frozenset(
         "graph/test_scaled_sum.py",
         "graph/test_split_accumulation.py",
         "distributed/test_megatron.py",
-        # Stock onnxruntime 1.31: a forked child that exits through sys.exit blocks forever in ORT's own C++
-        # static destructors (pthread_cond_destroy on the parent's thread-pool state; microsoft/onnxruntime
-        # PR 31961, open), so the test's os.fork children never report. Freeing inherited sessions in a child no
-        # longer hangs (engine/_fork_safety.py, tests/engine/test_fork_safety.py); the exit is ORT's. It runs
-        # where onnxruntime-training is installed (`make test-onnxblock`), where it passes.
-        "checkpoint/test_checkpoint_fork.py",
+        # shared-memory storage trained on the onnxblock engine (the autograd side: engine/test_bound_storage.py)
+        "engine/test_shared_storage_onnxblock.py",
     }
 )
 # Single tests that mean the onnxblock engine (its graph passes, fp16 graphs, Megatron, its
@@ -142,6 +138,15 @@ SLOW_TESTS = frozenset(
         "distributed/test_objects_distributed.py::"
         "test_ddp_writes_once_and_zero_shards_aggregate_and_load_into_any_world_size",
         "engine/test_fork_safety.py::test_a_forked_child_frees_its_inherited_trainer_without_hanging",  # 24 s
+        # 12 s at load 3, 34-55 s at load 5-6 (five forked children, three build a trainer)
+        "engine/test_fork_exit.py::test_forked_children_that_train_exit_normally_with_their_code_and_their_output",
+        # 40 s at load 5 (runs on stock onnxruntime since forked children exit: engine/_fork_safety.py)
+        "checkpoint/test_checkpoint_fork.py::"
+        "test_children_forked_at_every_phase_of_an_async_save_never_touch_the_published_file",
+        # 23 s and 29 s at load 7 (both engines' first builds; a spawned process that imports torch and ORT)
+        "engine/test_shared_storage_onnxblock.py::"
+        "test_shared_memory_module_trains_on_onnxblock_like_torch_and_the_autograd_engine",
+        "engine/test_shared_storage_onnxblock.py::test_a_module_received_through_a_spawn_queue_trains_on_onnxblock_like_torch",
         "hf/test_shapes.py::test_lm_collator_group_by_length_and_other_eval_batches_use_one_graph_each",  # 67 s loaded
         "engine/test_symbolic_shapes.py::test_one_graph_trains_and_evaluates_like_torch_at_every_shape",  # 75 s loaded
         # 28 s at load 4

@@ -17,7 +17,7 @@
   we make (a trainer's training and eval graphs, ORTModule's forward and backward);
 * ``_progress``: each build phase logged with its duration (a tqdm bar on a terminal);
 * ``_random``: Dropout's random state as a function of (run seed, rank, step);
-* ``_fork_safety``: a process forked from a trainer exits without hanging in ORT's thread pool;
+* ``_fork_safety``: a process forked from a trainer frees and exits without hanging in ONNX Runtime;
 * ``_trainer_state``: ``TrainerState``, the one object a trainer's parts live in; ``_assembly``:
   ``assemble_trainer_state``, the constructor's work (options, refusals, process group, store) that fills it;
 * ``_step``: one train/eval step, the distributed update (reduce, ZeRO, clipping, loss-scale skips);

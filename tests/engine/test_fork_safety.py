@@ -2,9 +2,8 @@
 freeing an ONNX Runtime session in a fork child blocked forever in ``pthread_cond_destroy`` on the parent's
 thread-pool state; `engine._fork_safety` keeps inherited sessions alive in the child instead).
 
-Not covered, and not ours to fix: a child that leaves through ``sys.exit`` still runs ONNX Runtime's own C++
-static destructors, which block the same way (microsoft/onnxruntime PR 31961, open); ``multiprocessing`` workers
-and children that end with ``os._exit`` do not run them."""
+This child leaves through ``os._exit``; children that exit normally (``sys.exit``, where ONNX Runtime's C++
+static destructors blocked the same way) are tests/engine/test_fork_exit.py."""
 
 from __future__ import annotations
 
