@@ -23,6 +23,8 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 * ``_kernels``: `missing_kernel_error`, ONNX Runtime's refusal to load a graph for want of a kernel of its dtype
   (float64, bfloat16 on CPU) told as that (`UnsupportedDtypeError`, a TypeError), not as an exporter fault, and
   `output_dtype_error`, an export that computes an output in another dtype than PyTorch's;
+* ``_labels``: `class_index_inputs`, the graph inputs that reach a cross-entropy / NLL loss as class indices (checked
+  before a run: ONNX's gather would take a negative label from the end);
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions (a trace's
   `TracedGraph.fingerprint`): a hit skips the export and its passes.
 """
