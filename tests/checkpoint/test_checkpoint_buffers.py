@@ -12,7 +12,7 @@ from ort_trainer.checkpoint.format import schema as S
 from tests.engine.test_written_buffers import AUTOGRAD, DESC, Counting, Tempered, _batches, ce
 from tests.models import CNN, CNN_DESC, cnn_batches
 
-BUFFERS = "buffers"  # model/buffers/<name>
+BUFFERS = S.BUFFERS_KEY  # model/buffers/<name>
 
 
 def _trainer(model: torch.nn.Module) -> ORTTrainer:
@@ -195,3 +195,58 @@ def test_batchnorm_num_batches_tracked_round_trips_through_a_checkpoint(tmp_path
         assert int(other.state_dict()[S.MODEL_KEY][BUFFERS]["bn.num_batches_tracked"]) == 3
         other.train_step(*cnn_batches(1, seed=7)[0])
         assert int(other.state_dict(pytorch_format=True)["bn.num_batches_tracked"]) == 4
+
+
+def test_aggregating_a_rank_set_keeps_the_buffers(tmp_path):
+    from ort_trainer import checkpoint as C
+    from tests.rank_states import FLAT, full_state, save_ranks
+
+    full = full_state("AdamOptimizer")
+    full[S.MODEL_KEY][BUFFERS] = {"calls": torch.tensor(3), "bn.num_batches_tracked": torch.tensor(5)}
+    states = C.reshard_state(full, 2, zero_stage=1, flat_order=FLAT, run_id="run-1")
+    aggregated = C.aggregate_checkpoints(save_ranks(states, tmp_path))
+    assert set(aggregated[S.MODEL_KEY][BUFFERS]) == {"calls", "bn.num_batches_tracked"}
+    assert int(aggregated[S.MODEL_KEY][BUFFERS]["calls"]) == 3
+    assert int(aggregated[S.MODEL_KEY][BUFFERS]["bn.num_batches_tracked"]) == 5
+
+
+def test_convert_carries_the_buffers_to_and_from_a_pytorch_state_dict(tmp_path):
+    from ort_trainer.checkpoint.cli._convert import run_convert
+
+    torch.manual_seed(6)
+    model = CNN()
+    trainer = ORTTrainer(model, CNN_DESC, optim.AdamConfig(lr=0.01), loss_fn=ce)
+    for batch in cnn_batches(3):
+        trainer.train_step(*batch)
+    trainer.save_checkpoint(tmp_path / "cnn.ortcp")
+    run_convert(
+        tmp_path / "cnn.ortcp",
+        tmp_path / "cnn.pt",
+        "checkpoint",
+        optimizer=False,
+        prefix=None,
+        optimizer_name="AdamOptimizer",
+        overwrite=False,
+    )
+    fresh = CNN()
+    fresh.load_state_dict(torch.load(tmp_path / "cnn.pt", weights_only=True), strict=True)  # a module's full state
+    assert int(fresh.bn.num_batches_tracked) == 3
+    expected = trainer.state_dict(pytorch_format=True)
+    for name, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, expected[name], msg=name)
+
+    run_convert(
+        tmp_path / "cnn.pt",
+        tmp_path / "back.ortcp",
+        "torch",
+        optimizer=False,
+        prefix=None,
+        optimizer_name="AdamOptimizer",
+        overwrite=False,
+    )
+    other = ORTTrainer(CNN(), CNN_DESC, optim.AdamConfig(lr=0.01), loss_fn=ce)
+    other.load_checkpoint(tmp_path / "back.ortcp", strict=True)
+    got = other.state_dict(pytorch_format=True)
+    assert int(got["bn.num_batches_tracked"]) == 3
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name)
