@@ -1,9 +1,10 @@
 """``ort-trainer-ckpt convert``: checkpoint <-> PyTorch state dict (``.pt``) or ``.safetensors``.
 
-Checkpoint (ours, legacy, or a manifest's set) -> ``{name: tensor}`` of ``model/full_precision``
-(plus ``optimizer/<name>/<key>`` tensors with ``--optimizer``). The reverse turns a flat state dict
-into a weights-only checkpoint: ``model/full_precision/<name>``, default ``trainer_options`` and
-zeroed ``train_step_info``. ``.pt`` files are read with ``torch.load(weights_only=True)`` only.
+Checkpoint (ours, legacy, or a manifest's set) -> ``{name: tensor}`` of ``model/full_precision`` and
+``model/buffers`` (plus ``optimizer/<name>/<key>`` tensors with ``--optimizer``). The reverse turns a flat
+state dict into a weights-only checkpoint: ``model/full_precision/<name>`` (integer tensors in
+``model/buffers``), default ``trainer_options`` and zeroed ``train_step_info``. ``.pt`` files are read with
+``torch.load(weights_only=True)`` only.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 OPTIMIZER_NAMES = ("AdamOptimizer", "LambOptimizer", "SGDOptimizer")
-_SKIPPED_BUFFER = "num_batches_tracked"  # int BatchNorm counter: the trainer tracks it itself, not as a weight
+_SKIPPED_BUFFER = "num_batches_tracked"  # int BatchNorm counter (`drop_counters`; convert keeps it in model/buffers)
 _MAX_LISTED = 10
 
 
@@ -92,10 +93,14 @@ def strip_prefix(tensors: Mapping[str, Any], prefix: str | None, source: Path) -
 def weights_only_tree(tensors: Mapping[str, torch.Tensor], optimizer_name: str) -> dict[str, Any]:
     """A single-process checkpoint tree of model weights, as ``ORTTrainer.load_checkpoint`` reads it.
 
-    Names ``optimizer/<name>/<key>`` (as ``convert --optimizer`` writes them) go back into the optimizer group.
+    Names ``optimizer/<name>/<key>`` (as ``convert --optimizer`` writes them) go back into the optimizer group;
+    tensors that are not floating point (integer buffers: a step counter, ``num_batches_tracked``) into
+    ``model/buffers``, where the trainer reads them.
     """
     prefix = f"{S.OPTIMIZER_KEY}/"
-    weights = {name: t.detach() for name, t in tensors.items() if not name.startswith(prefix)}
+    model = {name: t.detach() for name, t in tensors.items() if not name.startswith(prefix)}
+    weights = {name: t for name, t in model.items() if t.is_floating_point() or t.is_complex()}
+    buffers = {name: t for name, t in model.items() if name not in weights}
     optimizer: dict[str, Any] = {}
     for name, tensor in tensors.items():
         if name.startswith(prefix):
@@ -114,7 +119,7 @@ def weights_only_tree(tensors: Mapping[str, torch.Tensor], optimizer_name: str) 
         horizontal_parallel_size=1,
     )
     tree = {
-        S.MODEL_KEY: {S.FULL_PRECISION_KEY: weights},
+        S.MODEL_KEY: {S.FULL_PRECISION_KEY: weights} | ({S.BUFFERS_KEY: buffers} if buffers else {}),
         S.TRAINER_OPTIONS_KEY: options.to_tree(),
         S.TRAIN_STEP_INFO_KEY: {S.OPTIMIZATION_STEP_KEY: 0, S.TRAIN_STEP_KEY: 0},
     }
@@ -132,12 +137,25 @@ def checkpoint_tensors(source: Path, kind: InputKind, optimizer: bool) -> dict[s
             _refuse_partitioned(options, source, optimizer)
             weights_key = (S.MODEL_KEY, S.FULL_PRECISION_KEY)
             state = {S.MODEL_KEY: {S.FULL_PRECISION_KEY: reader.read(weights_key)}} if weights_key in reader else {}
+            buffers_key = (S.MODEL_KEY, S.BUFFERS_KEY)
+            if state and buffers_key in reader:
+                state[S.MODEL_KEY][S.BUFFERS_KEY] = reader.read(buffers_key)
             if optimizer and S.OPTIMIZER_KEY in reader:
                 state[S.OPTIMIZER_KEY] = reader.read(S.OPTIMIZER_KEY)
     weights = state.get(S.MODEL_KEY, {}).get(S.FULL_PRECISION_KEY)
     if not isinstance(weights, Mapping):
         raise CheckpointFormatError(f"{source} has no '{S.MODEL_KEY}/{S.FULL_PRECISION_KEY}' group of weights")
     tensors = _as_tensors(weights, source, f"'{S.MODEL_KEY}/{S.FULL_PRECISION_KEY}' has")
+    buffers = state[S.MODEL_KEY].get(S.BUFFERS_KEY)  # integer buffers (num_batches_tracked): a module's state too
+    if isinstance(buffers, Mapping):
+        buffers = _as_tensors(buffers, source, f"'{S.MODEL_KEY}/{S.BUFFERS_KEY}' has")
+        both = sorted(set(buffers) & set(tensors))
+        if both:
+            raise CheckpointFormatError(
+                f"{source}: {_listed(both)} are both in '{S.MODEL_KEY}/{S.FULL_PRECISION_KEY}' and "
+                f"'{S.MODEL_KEY}/{S.BUFFERS_KEY}'"
+            )
+        tensors |= buffers
     if optimizer:
         if not isinstance(state.get(S.OPTIMIZER_KEY), Mapping) or not state[S.OPTIMIZER_KEY]:
             raise CheckpointFormatError(f"{source} has no '{S.OPTIMIZER_KEY}' state; convert without --optimizer")
@@ -187,7 +205,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def drop_counters(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Remove BatchNorm ``num_batches_tracked`` counters (not weights in the trainer's layout)."""
+    """Remove BatchNorm ``num_batches_tracked`` counters (not weights; ``convert`` now keeps them in
+    ``model/buffers``, as the trainer saves them: this stays for callers that want the weights alone)."""
     dropped = sorted(k for k in tensors if k.rsplit(".", 1)[-1] == _SKIPPED_BUFFER)
     return {k: v for k, v in tensors.items() if k not in dropped}, dropped
 
@@ -228,9 +247,9 @@ def run_convert(
     else:
         if optimizer:
             raise CheckpointFormatError("--optimizer applies only when converting from a checkpoint")
-        tensors, dropped = drop_counters(strip_prefix(read_state_dict(source, kind), prefix, source))
+        tensors = strip_prefix(read_state_dict(source, kind), prefix, source)
         save(weights_only_tree(tensors, optimizer_name), target, overwrite=overwrite)
-        note = f"; dropped {len(dropped)} {_SKIPPED_BUFFER} counter(s)" if dropped else ""
+        note = ""
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return f"wrote {target}: {len(tensors)} tensors, {nbytes:,} bytes of data, from {source}{note}"
 

@@ -94,6 +94,9 @@ USER_DICT_KEY = "user_dict"
 LR_SCHEDULER_KEY = "lr_scheduler"  # ours
 LOSS_SCALER_KEY = "loss_scaler"  # ours
 EXTRA_STATE_KEY = "extra_state"  # ours: model/extra_state/<fqn>, get_extra_state() values (user_dict encoding)
+# ours: model/buffers/<name>, the model's persistent buffers that are not float state (integer and bool ones: a step
+# counter, BatchNorm's num_batches_tracked, a count the forward keeps), in their own dtypes; absent in older files
+BUFFERS_KEY = "buffers"
 RANK_USER_DICTS_KEY = "rank_user_dicts"  # ours: aggregated sets keep rank r's user_dict under rank_user_dicts/<r>
 STATEFUL_KEY = "stateful"  # ours: stateful/<name>, state_dict() of objects passed to save_checkpoint(stateful=)
 RANK_STATEFUL_KEY = "rank_stateful"  # ours: aggregated sets keep rank r's stateful group under rank_stateful/<r>

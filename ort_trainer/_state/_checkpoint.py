@@ -258,6 +258,8 @@ def _load_into_engine(trainer: TrainerState, reader: checkpoint.CheckpointReader
     state = {key: reader.read(key) for key in keys if key not in big}
     if S.MODEL_KEY in keys:
         state[S.MODEL_KEY] = {S.FULL_PRECISION_KEY: _placeholders(reader, (S.MODEL_KEY, S.FULL_PRECISION_KEY))}
+        if (S.MODEL_KEY, S.BUFFERS_KEY) in reader:  # the integer buffers: validated as placeholders, read below
+            state[S.MODEL_KEY][S.BUFFERS_KEY] = _entries(reader, (S.MODEL_KEY, S.BUFFERS_KEY))
         if (S.MODEL_KEY, S.EXTRA_STATE_KEY) in reader:  # interop: get_extra_state() values (small)
             state[S.MODEL_KEY][S.EXTRA_STATE_KEY] = reader.read((S.MODEL_KEY, S.EXTRA_STATE_KEY))
     if S.OPTIMIZER_KEY in keys:
@@ -268,6 +270,8 @@ def _load_into_engine(trainer: TrainerState, reader: checkpoint.CheckpointReader
     for name in plan.pop("weights"):
         _read_into(reader, (S.MODEL_KEY, S.FULL_PRECISION_KEY, name), targets[name])
     plan["weights"] = {}
+    for name in plan.pop("buffers", {}):
+        _read_into(reader, (S.MODEL_KEY, S.BUFFERS_KEY, name), trainer.store.buffers[name])
     if "optimizer" in plan:
         plan["optimizer"] = _read_moments(reader, plan["optimizer"], engine.optimizer.state_dict(copy=False))
     _apply(trainer, plan)
@@ -306,6 +310,22 @@ def _placeholders(reader: checkpoint.CheckpointReader, prefix: tuple[str, ...]) 
     """Shape/dtype stand-ins (meta tensors) for every tensor under ``prefix``, read without data."""
     info = reader.tree_info(prefix)
     return {name: torch.empty(meta.shape, dtype=meta.dtype, device="meta") for name, meta in info.items()}
+
+
+def _entries(reader: checkpoint.CheckpointReader, prefix: tuple[str, ...]) -> Any:
+    """Like `_placeholders`, for a group that may hold anything: arrays as meta tensors, small python values read,
+    subgroups as their description (validation refuses what is not a tensor, naming its key)."""
+    info = reader.tree_info(prefix)
+    if not isinstance(info, Mapping):
+        return reader.read(prefix)
+    return {
+        name: torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+        if isinstance(meta, checkpoint.DatasetInfo) and meta.is_array
+        else meta
+        if isinstance(meta, Mapping)
+        else reader.read((*prefix, name))
+        for name, meta in info.items()
+    }
 
 
 def _read_into(reader: checkpoint.CheckpointReader, key: tuple[str, ...], target: torch.Tensor) -> None:

@@ -55,6 +55,9 @@ def _legacy_state(trainer: TrainerState, copy_tensors: bool, full: bool) -> dict
     store = trainer.store
     clone = _clone if copy_tensors else (lambda t: t.detach())
     model: dict[str, Any] = {S.FULL_PRECISION_KEY: {k: clone(v) for k, v in store.weights.items()}}
+    buffers = store.persistent_buffers  # integer buffers (a step counter, num_batches_tracked): resumed runs need them
+    if buffers:
+        model[S.BUFFERS_KEY] = {k: clone(v) for k, v in buffers.items()}
     if store.extra_state:
         model[S.EXTRA_STATE_KEY] = {name: _storable(name, value) for name, value in store.extra_state.items()}
     state: dict[str, Any] = {S.MODEL_KEY: model}
@@ -182,7 +185,7 @@ def _only_submodules(state: dict, prefixes: list[str], keep_prefixes: bool, pyto
         return pick(state)
     state = dict(state)
     model = dict(state[S.MODEL_KEY])
-    for section in (S.FULL_PRECISION_KEY, S.EXTRA_STATE_KEY):
+    for section in (S.FULL_PRECISION_KEY, S.BUFFERS_KEY, S.EXTRA_STATE_KEY):
         if section in model:
             model[section] = pick(model[section])
     state[S.MODEL_KEY] = model

@@ -197,10 +197,12 @@ def _validate_model(trainer: TrainerState, state: Mapping, strict: bool, opts: S
     optional = set(store.frozen_parameters) if opts.ignore_frozen_params else set()
     _check_keys(current, weights, _WEIGHTS, strict, optional, plan)
     plan["weights"] = {name: _as_tensor(weights[name], current[name], name) for name in current if name in weights}
-    others = sorted(k for k in model if k not in (S.FULL_PRECISION_KEY, S.EXTRA_STATE_KEY))
+    others = sorted(k for k in model if k not in (S.FULL_PRECISION_KEY, S.BUFFERS_KEY, S.EXTRA_STATE_KEY))
     if others and strict:
         raise KeyError(f"unexpected keys in state_dict[{S.MODEL_KEY}]: {others}")
     plan["unexpected"] += [f"{S.MODEL_KEY}/{k}" for k in others]
+    if S.BUFFERS_KEY in model:  # absent in files written before it existed: the buffers keep their values
+        plan["buffers"] = _validate_buffers(store, model[S.BUFFERS_KEY], strict, plan)
     if S.EXTRA_STATE_KEY in model or (strict and store.extra_state):
         extra = model.get(S.EXTRA_STATE_KEY, {})
         where = f"state_dict[{S.MODEL_KEY}][{S.EXTRA_STATE_KEY}]"
@@ -212,6 +214,36 @@ def _validate_model(trainer: TrainerState, state: Mapping, strict: bool, opts: S
             for name, value in extra.items()
             if name in store.extra_state
         }
+
+
+def _validate_buffers(store: Any, loaded: Any, strict: bool, plan: dict) -> dict[str, torch.Tensor]:
+    """``model/buffers``: each a tensor of the shape and dtype of the model's buffer (meta placeholders accepted, as
+    for the weights); a mismatch is a ValueError naming the key, raised before anything is applied."""
+    where = f"state_dict[{S.MODEL_KEY}][{S.BUFFERS_KEY}]"
+    if not isinstance(loaded, Mapping):
+        raise TypeError(f"{where} must be a Mapping, got {type(loaded).__name__}")
+    current = store.persistent_buffers
+    _check_keys(current, loaded, where, strict, set(), plan)
+    found = {}
+    for name, target in current.items():
+        if name not in loaded:
+            continue
+        value = loaded[name]
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(value)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}[{name}] must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"shape mismatch for {where}[{name}]: the state has {tuple(value.shape)}, "
+                f"the model's buffer has {tuple(target.shape)}"
+            )
+        if value.dtype != target.dtype:  # an integer counter is never cast silently (nor a float one truncated)
+            raise ValueError(
+                f"dtype mismatch for {where}[{name}]: the state has {value.dtype}, the model's buffer is {target.dtype}"
+            )
+        found[name] = value
+    return found
 
 
 def _check_keys(current: Mapping, loaded: Mapping, where: str, strict: bool, optional: set, plan: dict) -> None:

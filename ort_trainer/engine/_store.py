@@ -155,6 +155,15 @@ class ParamStore:
                 tensor.add_(1)
 
     @property
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The other buffers (`buffers`) that the module's ``state_dict()`` holds, by the store's name: what the
+        trainer's own state dict and its checkpoints carry (``model/buffers``). Non-persistent ones (a temperature,
+        rotary ``inv_freq``) are not state to save, as in torch."""
+        aliases = self.state.buffer_aliases
+        names = dict.fromkeys(aliases[fqn] for fqn in self.state.order if fqn in aliases)
+        return {name: self.buffers[name] for name in names if name in self.buffers}
+
+    @property
     def module_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the module's parameters and buffers can be views of: the float state, then the other
         buffers (`share_module_state`)."""
