@@ -13,9 +13,11 @@ the same shape is the same thing to a graph that has no memory layouts.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["training_decompositions"]
 
@@ -44,7 +46,40 @@ def training_decompositions() -> dict:
     table[_aten.convolution_backward.default] = _convolution_backward
     table[_aten._weight_norm_interface_backward.default] = _weight_norm_backward
     table[_aten.copy.default] = _copy
+    table[_aten.slice_backward.default] = functools.partial(_slice_backward, table[_aten.slice_backward.default])
     return table
+
+
+def _slice_backward(default, grad_output, input_sizes, dim, start, end, step):
+    """The gradient of a slice (``logits[:, :-1]`` before a shifted LM loss) as the slice's gradient padded with
+    zeros: one tensor of the input's size. PyTorch's decomposition writes zeros of that size and scatters the
+    gradient into them (``slice_scatter``), which the exporter spells as the zeros, two transposes and a
+    ``ScatterND`` (and once more for each sliced dim): at GPT-2 124M, batch 4 x 128, five [4, 128, 50257] tensors
+    (98 MiB each) at the top of the backward, where this writes one. Only where the bounds are known to lie in
+    the dim without a guard on a symbolic size; any other slice keeps ``default``."""
+    ndim = len(input_sizes)
+    dim = dim % ndim
+    size = input_sizes[dim]
+    first, stop = _bound(start, size), _bound(end, size)
+    if step != 1 or first is None or stop is None:
+        return default(grad_output, input_sizes, dim, start, end, step)
+    after = size - stop
+    if statically_known_true(first == 0) and statically_known_true(after == 0):
+        return grad_output.clone()  # the whole dim: a slice that cuts nothing (``x[:, :]``)
+    pads = [0, 0] * (ndim - 1 - dim) + [first, after]
+    return torch.ops.aten.constant_pad_nd.default(grad_output, pads, 0.0)
+
+
+def _bound(value, size):
+    """A slice bound as an index in ``[0, size]``, or None where that needs a guard on a symbolic size: a negative
+    int counts from the end, an int at least ``size`` (``sys.maxsize`` for an open end) is ``size``."""
+    if isinstance(value, int) and value >= sys.maxsize // 2:
+        return size
+    if isinstance(value, int) and value < 0:
+        value = size + value
+    if statically_known_true(value >= 0) and statically_known_true(value <= size):
+        return value
+    return None
 
 
 def _empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=None, pin_memory=None):
