@@ -9,7 +9,8 @@ import torch
 
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.checkpoint.format import schema as S
-from tests.engine.test_written_buffers import AUTOGRAD, DESC, Counting, Tempered, _batches, ce
+from tests.buffer_models import AUTOGRAD, DESC, Counting, Tempered, ce
+from tests.buffer_models import batches as _batches
 from tests.models import CNN, CNN_DESC, cnn_batches
 
 BUFFERS = S.BUFFERS_KEY  # model/buffers/<name>
