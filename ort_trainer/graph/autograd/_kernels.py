@@ -4,8 +4,10 @@ what it is (the op, the dtype, the provider, the way out) rather than as a fault
 A float64 model (GELU's ``Erf``, ``Conv``) or a ``torch.autocast(dtype=torch.bfloat16)`` forward (``MatMul``,
 ``Gemm``) exports fine, but ONNX Runtime's CPU execution provider registers no kernel of that type for some of its
 ops, and the session fails to start with NOT_IMPLEMENTED "Could not find an implementation for Erf(13) node with
-name 'node_Erf_2'" (or, where ONNX's schema itself takes no such type, an INVALID_GRAPH "Type Error: Type
-'tensor(bfloat16)' of input parameter (x) of operator (Conv) in node (node_convolution) is invalid").
+name 'node_Erf_2'" (older runtimes: "Failed to find kernel for ... the node in the model has the following type
+(tensor(double))", also for a node ONNX Runtime's own optimizer fused), or, where ONNX's schema itself takes no
+such type, with INVALID_GRAPH "Type Error: Type 'tensor(bfloat16)' of input parameter (x) of operator (Conv) in
+node (node_convolution) is invalid".
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ __all__ = ["UnsupportedDtypeError", "missing_kernel_error", "output_dtype_error"
 _NOT_IMPLEMENTED = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
 _INVALID_TYPE = re.compile(
     r"Type '(tensor\((\w+)\))' of input parameter \(([^)]*)\) of operator \((\w+)\) in node \(([^)]*)\) is invalid"
+)
+# older runtimes (onnxruntime-training 1.19.2), and nodes its own optimizer made (a float-only com.microsoft.FusedMatMul
+# from a float64 MatMul): "Failed to find kernel for <op>(<opset>) (node:'<name>' ...) ... the node in the model has
+# the following type (tensor(double))"
+_NO_KERNEL_OF_TYPE = re.compile(
+    r"Failed to find kernel for ([\w.]+)\((\d+)\) \(node:'([^']*)'.*?the node in the model has the following type "
+    r"\(tensor\((\w+)\)\)",
+    re.DOTALL,
 )
 # ONNX element types as torch names them (the names a user wrote: model.double(), autocast's dtype)
 _TORCH_NAMES = {
@@ -58,6 +68,10 @@ def missing_kernel_error(
         op, opset, node_name = found.groups()
         dtype = _input_dtype(model, node_name, op)
         kernel = f"has no kernel for {op} (opset {opset})" + (f" with {dtype} inputs" if dtype else "")
+    elif (found := _NO_KERNEL_OF_TYPE.search(text)) is not None:
+        op, opset, node_name, onnx_type = found.groups()
+        dtype = _ONNX_NAMES.get(onnx_type, onnx_type)
+        kernel = f"has no kernel for {op} (opset {opset}) with {dtype} inputs"
     else:
         found = _INVALID_TYPE.search(text)
         if found is None:
