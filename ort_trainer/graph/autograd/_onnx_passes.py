@@ -129,8 +129,8 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], i
 
 def collapse_layout_chains(model: onnx.ModelProto) -> int:
     """``Transpose(Transpose(x))`` -> one ``Transpose`` of ``x`` (none where the permutations cancel),
-    ``Reshape(Reshape(x, a), b)`` -> ``Reshape(x, b)``, and a ``Reshape`` to the shape ``x`` has -> ``x``, in
-    place; returns how many nodes were bypassed.
+    ``Reshape(Reshape(x, a), b)`` -> ``Reshape(x, b)``, and a ``Reshape`` to the shape ``x`` has or a ``Slice`` of
+    whole dims -> ``x``, in place; returns how many nodes were bypassed.
 
     The decomposed backward transposes back what the forward transposed, and views what it viewed. These are
     the rules of onnxscript's rewriter that change our graphs (the others find nothing in them); its
@@ -187,7 +187,7 @@ def _collapse_once(model: onnx.ModelProto) -> int:
             node.input[0] = inner.input[0]
             count += 1
     if count:
-        _drop_unread(graph, ("Transpose", "Reshape"))
+        _drop_unread(graph, ("Transpose", "Reshape", "Slice"))
     return count
 
 
@@ -209,9 +209,12 @@ def _sets_every_dim(target: str, constants: dict, producers: dict, allow_zero: i
 
 
 def _is_no_op(node: onnx.NodeProto, shapes: dict, constants: dict) -> bool:
-    """An identity ``Transpose``, or a ``Reshape`` to the static shape its input already has."""
+    """An identity ``Transpose``, a ``Slice`` of whole dims, or a ``Reshape`` to the static shape its input already
+    has."""
     if node.op_type == "Transpose":
         return _is_identity(_perm(node))
+    if node.op_type == "Slice":
+        return _is_whole_slice(node, constants)
     if node.op_type != "Reshape" or len(node.input) < 2:
         return False
     given, target = shapes.get(node.input[0]), _int_values(constants.get(node.input[1]))
@@ -224,6 +227,19 @@ def _is_no_op(node: onnx.NodeProto, shapes: dict, constants: dict) -> bool:
         known = math.prod(d for d in resolved if d != -1)
         resolved[resolved.index(-1)] = math.prod(dims) // known if known else -1
     return resolved == dims
+
+
+def _is_whole_slice(node: onnx.NodeProto, constants: dict) -> bool:
+    """A ``Slice`` from 0 to the end (an end of at least 2**62: what ``x[:, ...]`` exports) with step 1 on every
+    axis it names: a copy of its input, where PyTorch's ``x[:, :-1]`` slices dim 0 as a view (the dim-0 slice of
+    GPT-2 124M's logits, a [4, 128, 50257] copy, was the first of two before its loss)."""
+    if len(node.input) < 3:
+        return False
+    starts, ends = _int_values(constants.get(node.input[1])), _int_values(constants.get(node.input[2]))
+    steps = _int_values(constants.get(node.input[4])) if len(node.input) > 4 and node.input[4] else None
+    if starts is None or ends is None or (len(node.input) > 4 and node.input[4] and steps is None):
+        return False
+    return all(v == 0 for v in starts) and all(v >= 2**62 for v in ends) and all(v == 1 for v in steps or [1])
 
 
 def _perm(node: onnx.NodeProto) -> list[int] | None:
