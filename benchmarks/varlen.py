@@ -216,8 +216,8 @@ class Builds:
             builds._add("training graph" if training else "eval graph")
             shape_init(session, owner, graphs, training=training)
 
-        def counted_graph(graph, module, example_inputs, kind, cache):
-            graph_init(graph, module, example_inputs, kind, cache)
+        def counted_graph(graph, module, example_inputs, kind, *rest, **options):
+            graph_init(graph, module, example_inputs, kind, *rest, **options)
             builds._add(kind, symbolic=graph.sizes is not None)
 
         _autograd_session._ShapeSession.__init__ = counted_shape
