@@ -11,8 +11,10 @@ OB_PY := $(OB_VENV)/bin/python
 OB_STAMP := $(OB_VENV)/.installed
 LATEST_VENV := .venv-latest
 LATEST_PY := $(LATEST_VENV)/bin/python
-# the stock venv has no onnxruntime-training: tests that mean the onnxblock engine run in .venv-onnxblock
+# the stock venv has no onnxruntime-training: tests that mean the onnxblock engine run in .venv-onnxblock (the folder
+# tests/onnxblock/, whose files import it, and the onnxblock parametrizations of tests that run on both engines)
 STOCK := not onnxblock
+STOCK_TREE := --ignore=tests/onnxblock
 # pytest-xdist workers: one per core, at most 4 (each imports torch, transformers and a runtime: ~1 GB). Most tests
 # spend their time in one Python thread (export, graph building, HDF5), so 2 workers on 2 cores take ~0.7x the
 # wall time of one. `make test WORKERS=0` runs in one process (pytest's own output, pdb).
@@ -44,26 +46,26 @@ $(OB_STAMP): requirements-onnxblock.txt setup.py
 # `make test-hf` runs the long ort_trainer.hf comparisons; `make test-onnxblock` runs the suite and the zoo
 # in the onnxruntime-training venv (CI runs all five).
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow and not faults and not zoo and not hf_long and not install and $(STOCK)" $(STOCK_TREE) tests
 
 # CI's one session for the four long targets below (one collection; workers stay busy to the end)
 test-long: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=25 -m "$(LONG) and not install and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) --durations=25 -m "$(LONG) and not install and $(STOCK)" $(STOCK_TREE) tests
 
 # the tests of the main suite that take over ~10 s each (tests/conftest.py SLOW_TESTS)
 test-slow: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "slow and not faults and not zoo and not hf_long and not install and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "slow and not faults and not zoo and not hf_long and not install and $(STOCK)" $(STOCK_TREE) tests
 
 test-faults: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "faults and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "faults and $(STOCK)" $(STOCK_TREE) tests
 
 test-zoo: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "zoo and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "zoo and $(STOCK)" $(STOCK_TREE) tests
 
 # ort_trainer.hf.Trainer against transformers.Trainer: 2 ranks, the sample, more LR schedules; ORTModule on 4 ranks
 # and samples/custom_loop.py killed and resumed (a few minutes)
 test-hf: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "hf_long and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "hf_long and $(STOCK)" $(STOCK_TREE) tests
 
 # onnxruntime-training: the main suite (its default engine there is onnxblock), the onnxblock zoo (the autograd zoo
 # runs in `make test-zoo`) and every test that means the onnxblock engine, fault suites included (Megatron runs:
@@ -75,7 +77,7 @@ test-onnxblock: $(OB_STAMP)
 
 # `pip install .` from clean venvs against the package index: stock only, onnxruntime-training only, switching
 test-install: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "install and $(STOCK)" tests
+	$(PY) -m pytest -q $(XDIST) -m "install and $(STOCK)" $(STOCK_TREE) tests
 
 # The newest releases the declared ranges admit, as a user's plain `pip install ".[dev]"` gets them today (no lock,
 # a fresh venv every time): the representative selection marked `latest` (tests/conftest.py LATEST_TESTS), so that
@@ -87,7 +89,7 @@ test-latest:
 	$(LATEST_PY) -m pip install --quiet --upgrade pip
 	$(LATEST_PY) -m pip install --quiet ".[dev]"
 	$(LATEST_PY) -m ort_trainer
-	$(LATEST_PY) -m pytest -q $(XDIST) -m "latest and $(STOCK)" tests
+	$(LATEST_PY) -m pytest -q $(XDIST) -m "latest and $(STOCK)" $(STOCK_TREE) tests
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py

@@ -31,12 +31,12 @@ import ort_trainer.engine._build as _build
 from benchmarks._isa import isa_stamp, mkl_isa
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.config.model_desc import validate_model_desc
-from ort_trainer.diagnosis._native_logs import quiet_native_info_logs
-from ort_trainer.graph import apply_forward_rewrites, apply_training_rewrites
-from ort_trainer.graph._export import export_torch_model
-from ort_trainer.graph._gradient_fixes import expand_where_inputs
-from ort_trainer.graph._passes import add_optional_outputs
 from ort_trainer.graph._weightless import with_values
+from ort_trainer.graph.onnxblock import apply_forward_rewrites, apply_training_rewrites
+from ort_trainer.graph.onnxblock._export import export_torch_model
+from ort_trainer.graph.onnxblock._gradient_fixes import expand_where_inputs
+from ort_trainer.graph.onnxblock._passes import add_optional_outputs
+from ort_trainer.runtime._native_logs import quiet_native_info_logs
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-6, 0.0
 MLP_DESC = {"inputs": [("x", ["batch", "features"]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
@@ -340,7 +340,7 @@ def _gradient_fixes_in_onnxblock() -> Iterator[None]:
     bare loop's ``generate_artifacts``: without it HF BERT's gradient graph aborts the process."""
     from onnxruntime.training.onnxblock import blocks
 
-    from ort_trainer.graph._gradient_fixes import forget_unnamed_dims
+    from ort_trainer.graph.onnxblock._gradient_fixes import forget_unnamed_dims
 
     original = blocks.Block.infer_shapes_on_base
     blocks.Block.infer_shapes_on_base = lambda self: forget_unnamed_dims(original(self))

@@ -125,6 +125,7 @@ def full_state(weight_mb: int, seed: int = 0) -> dict:
 def write_rank_files(weight_mb: int, folder: Path) -> tuple[list[Path], int]:
     """Save the W=2 ZeRO-1 rank files of a synthetic state; return them and the full state's bytes."""
     from ort_trainer import checkpoint as C
+
     full = full_state(weight_mb)
     tensors = [*full["model"]["full_precision"].values(), *(v for e in full["optimizer"].values() for v in e.values())]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -152,6 +153,7 @@ def same_files(a: Path, b: Path) -> bool:
     import torch
 
     from ort_trainer import checkpoint as C
+
     with C.open_checkpoint(a) as ra, C.open_checkpoint(b) as rb:
         keys = [k for k, _ in ra.walk()]
         if keys != [k for k, _ in rb.walk()]:

@@ -62,6 +62,7 @@ def _checksum_table(mib: int, rounds: int) -> list[tuple[str, float]]:
     from ort_trainer.checkpoint.format._checksum import CRC32C
 
     array = np.random.default_rng(0).random(mib * (1 << 20) // 8)
+
     def copies() -> int:
         crc, flat = 0, array.reshape(-1).view(np.uint8)
         for start in range(0, flat.size, 1 << 20):

@@ -5,7 +5,7 @@ children, so only the first pays the trace and export), runs two train steps, an
 train step, and reports the resident size after each phase and the steps' CPU times:
 
 * ``shared``: the session options the trainer makes (its training and eval sessions take CPU memory from
-  one arena in ONNX Runtime's environment, `ort_trainer.engine._shared_arena`);
+  one arena in ONNX Runtime's environment, `ort_trainer.runtime._shared_arena`);
 * ``separate``: the same options without that entry, so each session keeps an arena of its own.
 
     python benchmarks/eval_memory.py --model gpt2-124m --threads 1

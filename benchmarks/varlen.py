@@ -205,7 +205,7 @@ class Builds:
         )
 
     def install(self) -> None:
-        from ort_trainer.engine import _autograd_session
+        from ort_trainer.engine.autograd import _session as _autograd_session
         from ort_trainer.module import _graph
 
         shape_init = _autograd_session._ShapeSession.__init__

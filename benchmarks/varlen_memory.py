@@ -74,7 +74,7 @@ class _Phases:
         setattr(module, name, wrapped)
 
     def install(self) -> None:
-        from ort_trainer.engine import _autograd_build
+        from ort_trainer.engine.autograd import _build as _autograd_build
 
         self.after(_autograd_build, "trace_graph", "traced")
         self.after(_autograd_build, "_exported", "exported")
@@ -85,7 +85,8 @@ def _arena(variant: str) -> None:
     """Set ONNX Runtime's CPU memory up as ``variant`` says (before the trainer makes its session options)."""
     import onnxruntime as ort
 
-    from ort_trainer.engine import _build, _shared_arena
+    from ort_trainer.engine import _build
+    from ort_trainer.runtime import _shared_arena
 
     if variant == "no_arena":
         _shared_arena._registered = lambda: False

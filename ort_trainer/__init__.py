@@ -11,9 +11,11 @@ Logs go to the ``ort_trainer`` logger (see ``docs/logging.md``).
 
 Rooms (docs/architecture.md has the floor plan): ``trainer`` (``ORTTrainer``, the facade),
 ``train_step_info`` (``TrainStepInfo``), ``config`` (options, model description), ``graph`` (torch module ->
-training graph), ``diagnosis`` (failures in the user's terms), ``engine`` (running the graphs, ``TrainerState``),
-``_state`` (state dicts and checkpoints in and out), ``parallel`` (Megatron), ``module`` (``ORTModule``, the
-torch.compile backend), ``hf`` (the Hugging Face ``Trainer``), ``_package`` (import-time setup).
+training graph), ``diagnosis`` (failures in the user's terms), ``engine`` (running the graphs, ``TrainerState``;
+its wings ``engine.autograd`` and ``engine.onnxblock``), ``runtime`` (ONNX Runtime plumbing: devices, DLPack,
+output binding, the shared arena, fork safety, native logs), ``_state`` (state dicts and checkpoints in and
+out), ``parallel`` (Megatron, with the onnxblock wing), ``module`` (``ORTModule``, the torch.compile backend),
+``hf`` (the Hugging Face ``Trainer``), ``_package`` (import-time setup).
 """
 
 from __future__ import annotations

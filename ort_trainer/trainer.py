@@ -28,7 +28,6 @@ from ort_trainer.engine import (
     train_step,
 )
 from ort_trainer.optim.config import OptimizerConfig
-from ort_trainer.parallel import HorizontalParallel
 
 from . import _state
 from ._state import StateDictOptions, load_trainer_checkpoint, save_trainer_checkpoint
@@ -67,9 +66,7 @@ class ORTTrainer:
                 "optim_config must be an optim.AdamConfig, optim.LambConfig or optim.SGDConfig, "
                 f"got {type(optim_config).__name__}"
             )
-        self._trainer_state = assemble_trainer_state(
-            model, model_desc, optim_config, loss_fn, options, model_parallel=HorizontalParallel
-        )
+        self._trainer_state = assemble_trainer_state(model, model_desc, optim_config, loss_fn, options)
 
     # ------------------------------------------------------------------ properties
     @property

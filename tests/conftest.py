@@ -3,14 +3,10 @@ so that spawned worker scripts and helper modules can import them too; tests cal
 
 from __future__ import annotations
 
-import functools
-import itertools
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _pytest.mark.expression import Expression
 
 from tests.builders import legacy_trainer_options
 
@@ -21,52 +17,12 @@ def trainer_options() -> dict[str, Any]:
     return legacy_trainer_options()
 
 
-# Test files that mean the onnxblock engine (onnxruntime-training's gradient builder, its graph rewrites,
-# fp16 graphs, Megatron segments): every test in them is marked `onnxblock`. The stock-runtime
-# venv runs `-m "not onnxblock"` (`make test-stock`), which then does not even import them; anywhere else they
-# run, and without onnxruntime-training they fail on import (never skipped).
-ONNXBLOCK_ONLY = frozenset(
-    {
-        "engine/test_build_memory.py",
-        "graph/test_gelu_threads.py",
-        "graph/test_graph_broadcast.py",
-        "graph/test_graph_gelu.py",
-        "graph/test_graph_relu.py",
-        "graph/test_graph_rewrites.py",
-        "graph/test_layer_norm_grad.py",
-        "graph/test_mixed_precision_graph.py",
-        "trainer/test_gradient_buffers.py",
-        "amp/test_mixed_precision.py",
-        "graph/test_scaled_sum.py",
-        "graph/test_split_accumulation.py",
-        "distributed/test_megatron.py",
-        # shared-memory storage trained on the onnxblock engine (the autograd side: engine/test_bound_storage.py)
-        "engine/test_shared_storage_onnxblock.py",
-    }
-)
-# Single tests that mean the onnxblock engine (its graph passes, fp16 graphs, Megatron, its
-# debug graph files), by "file::test" prefix (parametrized ids included).
-ONNXBLOCK_TESTS = frozenset(
-    {
-        # Megatron is refused by the autograd engine at construction, before the refusals these tests check
-        "distributed/test_megatron_plan.py::test_what_h2_does_not_do_is_refused_before_any_process_group",
-        # the onnxblock session's own hooks and graph names
-        "engine/test_memory_release.py::test_memory_is_released_after_the_build_and_once_after_the_first_training_run",
-        "trainer/test_legacy_models.py::test_training_graph_dump_is_the_gradient_graph_and_the_docs_say_so",
-        "trainer/test_trainer_api.py::test_check_model_export_and_graph_save_paths",
-        # the TorchScript export of a deep copy (the autograd engine traces with the module's state as inputs)
-        "trainer/test_legacy_models.py::test_a_module_that_cannot_be_deep_copied_trains_and_is_left_as_it_was",
-        "trainer/test_legacy_models.py::test_a_module_that_cannot_be_deep_copied_shows_one_training_forward_in_its_statistics",
-        "trainer/test_trainer_api.py::test_dimension_baked_by_the_exporter_gets_a_clear_error",
-        # onnxblock-only input: _internal_use.extra_postprocess
-        "trainer/test_legacy_models.py::test_extra_postprocess_gets_the_forward_graph_and_its_result_is_used",
-        # an onnx.ModelProto model on both engines
-        "engine/test_onnx_model_engines.py::test_both_engines_train_an_onnx_model_alike_and_share_its_checkpoints",
-        # the onnxblock engine's message from its graph's label specs; the autograd engine names the input with
-        # PyTorch's own message (tests/engine/test_autograd_engine.py)
-        "trainer/test_input_errors.py::test_label_index_out_of_range_where_the_graph_does_not_say_the_class_count",
-    }
-)
+# Tests that mean the onnxblock engine (onnxruntime-training's gradient builder, its graph rewrites, fp16 graphs,
+# Megatron segments) live in tests/onnxblock/, the test wing of the engine wing: every test there is marked
+# `onnxblock`. The stock-runtime venv's targets leave the folder out (`--ignore=tests/onnxblock` in the Makefile: its
+# files import onnxruntime-training, and fail on import elsewhere, never skipped); elsewhere a test that runs on
+# both engines marks its onnxblock parametrization itself (`pytest.param("onnxblock", marks=pytest.mark.onnxblock)`).
+ONNXBLOCK_FOLDER = "onnxblock/"
 # Tests over ~10 s each (the function's parametrizations together; measured 2026-11-27 at load 4-5 on 2 cores,
 # `pytest --durations`): they run in `make test-slow` (CI), so that `make test` stays under 10 minutes. By
 # "file::test" (every parametrization).
@@ -144,9 +100,9 @@ SLOW_TESTS = frozenset(
         "checkpoint/test_checkpoint_fork.py::"
         "test_children_forked_at_every_phase_of_an_async_save_never_touch_the_published_file",
         # 23 s and 29 s at load 7 (both engines' first builds; a spawned process that imports torch and ORT)
-        "engine/test_shared_storage_onnxblock.py::"
+        "onnxblock/test_shared_storage_onnxblock.py::"
         "test_shared_memory_module_trains_on_onnxblock_like_torch_and_the_autograd_engine",
-        "engine/test_shared_storage_onnxblock.py::test_a_module_received_through_a_spawn_queue_trains_on_onnxblock_like_torch",
+        "onnxblock/test_shared_storage_onnxblock.py::test_a_module_received_through_a_spawn_queue_trains_on_onnxblock_like_torch",
         "hf/test_shapes.py::test_lm_collator_group_by_length_and_other_eval_batches_use_one_graph_each",  # 67 s loaded
         "engine/test_symbolic_shapes.py::test_one_graph_trains_and_evaluates_like_torch_at_every_shape",  # 75 s loaded
         # 28 s at load 4
@@ -201,38 +157,13 @@ def _relative(path: Path) -> str:
         return ""
 
 
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Files that import onnxruntime-training are not even imported when the mark expression deselects every
-    onnxblock test (the stock venv's ``-m "... and not onnxblock"``)."""
-    if _relative(collection_path) in ONNXBLOCK_ONLY and _deselects_onnxblock(config.option.markexpr or ""):
-        return True
-    return None
-
-
-@functools.cache
-def _deselects_onnxblock(markexpr: str) -> bool:
-    """Whether ``markexpr`` is false for every test marked ``onnxblock``, whatever its other marks.
-
-    Not a substring test: ``not (zoo and not onnxblock)`` (test-onnxblock's expression) selects onnxblock tests,
-    and a substring match had kept the onnxblock-only files out of that target."""
-    if not markexpr.strip():
-        return False
-    expression = Expression.compile(markexpr)
-    others = sorted(set(re.findall(r"[A-Za-z_][\w-]*", markexpr)) - {"and", "or", "not", "onnxblock"})
-    for values in itertools.product((False, True), repeat=len(others)):
-        marks = {**dict(zip(others, values, strict=True)), "onnxblock": True}
-        if expression.evaluate(lambda name, _marks=marks, **_: _marks.get(name, False)):
-            return False
-    return True
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     latest_found: set[str] = set()
     for item in items:
         relative = _relative(Path(str(item.fspath)))
         test = f"{relative}::{item.name.split('[')[0]}"
         latest_found |= {relative, test, f"{relative}::{item.name}"} & LATEST_TESTS
-        if relative in ONNXBLOCK_ONLY or test in ONNXBLOCK_TESTS:
+        if relative.startswith(ONNXBLOCK_FOLDER):
             item.add_marker(pytest.mark.onnxblock)
         if test in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)

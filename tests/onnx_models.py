@@ -90,3 +90,25 @@ def onnx_case(name: str, steps: int = 4) -> tuple[onnx.ModelProto, torch.nn.Modu
             if name in values:
                 tensor.copy_(values[name])
     return exported, model, desc, data
+
+
+def torch_sgd_steps(model: torch.nn.Module, batches, lr: float = 0.1) -> list[torch.Tensor]:
+    """The losses of plain torch SGD steps over ``batches`` (cross-entropy), the reference both engines match."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for x, label in batches:
+        opt.zero_grad()
+        loss = ce(model(x), label)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def assert_state_matches(trainer, reference: torch.nn.Module) -> None:
+    """The trainer's weights equal the trained torch ``reference`` (wrapped as ``m``), name by name."""
+    state = trainer.state_dict()["model"]["full_precision"]
+    expected = {f"m.{k}": v for k, v in reference.state_dict().items() if v.is_floating_point()}
+    assert set(state) == set(expected)
+    for name, value in state.items():
+        torch.testing.assert_close(value, expected[name], atol=1e-5, rtol=1e-5, msg=name)

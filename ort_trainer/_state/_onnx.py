@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -11,7 +10,7 @@ import torch
 from onnx import numpy_helper
 
 from ort_trainer.engine import TrainerState
-from ort_trainer.graph import unseal_no_gradient_copies, with_values
+from ort_trainer.graph import with_values
 
 if TYPE_CHECKING:
     from ort_trainer.engine import Engine
@@ -21,9 +20,8 @@ __all__ = ["check_model_export", "eval_model_with_weights"]
 
 def eval_model_with_weights(engine: Engine) -> onnx.ModelProto:
     """The eval graph with current parameters and frozen state moved back into initializers, for any
-    ``onnxruntime``: the onnxblock engine's stop-gradient copies (an onnxruntime-training op) become ``Identity``."""
-    model = copy.deepcopy(engine.eval_graph())
-    unseal_no_gradient_copies(model)
+    ``onnxruntime`` (`Engine.eval_graph`: the onnxblock engine's stop-gradient copies become ``Identity``)."""
+    model = engine.eval_graph()
     inputs = {i.name for i in model.graph.input}
     state = {name: tensor for name, tensor in engine.store.weights.items() if name in inputs}
     kept = [i for i in model.graph.input if i.name not in state]

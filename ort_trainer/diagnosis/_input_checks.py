@@ -10,7 +10,7 @@ was expected and what came.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -179,14 +179,18 @@ def explain_run_errors(
     names: Sequence[str],
     inputs: Sequence[torch.Tensor],
     feeds: Mapping[str, torch.Tensor],
+    explain: Callable[[Mapping[str, torch.Tensor], Exception], Exception | None] = lambda feeds, error: None,
 ) -> Iterator[None]:
-    """ORT's failure on a label index or on a shape the exporter baked in, re-raised naming the input."""
+    """ORT's failure on a label index or on a shape the exporter baked in, re-raised naming the input.
+
+    ``explain`` (the session's `StepSession.explain_failure`) has the first word: the engine may name the input
+    at fault in PyTorch's own terms."""
     try:
         yield
     except Exception as error:  # onnxruntime raises its own exception types (Fail, RuntimeException, ...)
-        if getattr(error, "explained", False):  # the engine's session named the input at fault already
-            raise
-        explained = explain_run_failure(specs, feeds, error)
+        explained = explain(feeds, error)
+        if explained is None:
+            explained = explain_run_failure(specs, feeds, error)
         if explained is not None:
             raise explained from error
         _explain_shape_error(names, inputs, traced, error)

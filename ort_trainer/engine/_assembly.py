@@ -2,14 +2,15 @@
 
 ``ORTTrainer.__init__`` checks the types of its arguments and calls :func:`assemble_trainer_state`; everything
 else a constructor does happens here, in this order: the options (checked, implemented, debug paths writable),
-the graph source (`choose_engine`, with the autograd engine's refusals), the model description and the
-forward binding (the legacy rule: its input names are ``forward()``'s parameters), the device, the refusals
-that need no process group (ZeRO + LAMB, the model-parallel plan's own), the process group, the ONNX model's
-inputs/outputs, then the whole state: this rank's slice of the model (Megatron), the parameter store (the
-module's weights become views of its buffers unless ``share_module_parameters`` is off), the counters.
+the graph source (`choose_engine`), the model description, an ONNX model's inputs/outputs, what the graph
+source refuses (`GraphSource.check_supported`), the forward binding (the legacy rule: its input names are
+``forward()``'s parameters), the device, the refusals that need no process group (ZeRO + LAMB, the
+model-parallel plan's own), the process group, then the whole state: this rank's slice of the model
+(Megatron), the parameter store (the module's weights become views of its buffers unless
+``share_module_parameters`` is off), the counters.
 
-The model-parallel plan comes in as a factory (``ort_trainer.parallel.HorizontalParallel``), so that the engine
-names no class of a room above it.
+The model-parallel plan comes from the graph source (`GraphSource.model_parallel`: the onnxblock engine's
+``ort_trainer.parallel.HorizontalParallel``), so that the engine names no class of a wing or a room above it.
 """
 
 from __future__ import annotations
@@ -25,14 +26,12 @@ from ort_trainer.config.options import ORTTrainerOptions
 from ort_trainer.diagnosis import check_onnx_io
 from ort_trainer.graph import bind_forward_inputs, model_input_names, outer_module
 from ort_trainer.optim.config import OptimizerConfig
+from ort_trainer.runtime import resolve_device
 from ort_trainer.train_step_info import TrainStepInfo
 
-from ._autograd_build import check_autograd_onnx_model, check_autograd_supported
 from ._distributed import DistributedContext
-from ._protocols import ModelParallelFactory
 from ._random import agreed_run_seed
-from ._session import resolve_device
-from ._sources import choose_engine
+from ._sources import choose_engine, graph_source
 from ._store import build_store
 from ._trainer_state import TrainerState
 
@@ -45,30 +44,20 @@ def assemble_trainer_state(
     optim_config: OptimizerConfig,
     loss_fn: Callable | None,
     options: ORTTrainerOptions | Mapping[str, Any] | None,
-    *,
-    model_parallel: ModelParallelFactory | None = None,
 ) -> TrainerState:
     """Check the options against the model and build the trainer's complete state (before any graph).
 
-    The arguments' types are the caller's to check (``ORTTrainer.__init__``); ``model_parallel`` is the plan
-    used when ``distributed.horizontal_parallel_size > 1``.
+    The arguments' types are the caller's to check (``ORTTrainer.__init__``).
     """
     options = ORTTrainerOptions(options)
     options.check_implemented()
     options.debug.graph_save_paths.check_writable()
     engine_name = choose_engine(options.utils.engine)
-    if engine_name == "autograd":
-        check_autograd_supported(
-            model,
-            horizontal=options.distributed.horizontal_parallel_size > 1,
-            extra_postprocess=options._internal_use.extra_postprocess,
-        )
-    elif options.mixed_precision.enabled and options.mixed_precision.dtype != "float16":
-        raise ValueError(
-            f"mixed_precision.dtype={options.mixed_precision.dtype!r} needs the autograd engine (the onnxblock "
-            "engine's graphs are float16): use options={'utils': {'engine': 'autograd'}} or dtype 'float16'"
-        )
+    source = graph_source(engine_name)
     model_desc = validate_model_desc(model_desc, require_loss=True)
+    if isinstance(model, onnx.ModelProto):
+        check_onnx_io(model, model_desc)
+    source.check_supported(model, options, model_desc)
     if isinstance(model, torch.nn.Module):  # model_desc names must be forward()'s parameters (legacy rule)
         bind_forward_inputs(outer_module(model), model_input_names(model_desc, loss_fn))
     device = resolve_device(options.device.id, options.provider_options)
@@ -79,11 +68,11 @@ def assemble_trainer_state(
             "tensors, which ZeRO splits across ranks; use AdamConfig or SGDConfig, or zero stage 0"
         )
     dist_options = options.distributed
-    model_parallel = model_parallel if dist_options.horizontal_parallel_size > 1 else None
+    model_parallel = source.model_parallel() if dist_options.horizontal_parallel_size > 1 else None
     if dist_options.horizontal_parallel_size > 1:  # before any process group exists
         if model_parallel is None:
             raise NotImplementedError(
-                "horizontal_parallel_size > 1 needs a model-parallel plan (ort_trainer.parallel.HorizontalParallel)"
+                f"horizontal_parallel_size > 1: the {engine_name} engine has no model-parallel plan"
             )
         model_parallel.check_supported(model, options, optim_config)
     dist = (
@@ -91,10 +80,6 @@ def assemble_trainer_state(
         if dist_options.world_size > 1
         else None
     )
-    if isinstance(model, onnx.ModelProto):
-        check_onnx_io(model, model_desc)
-        if engine_name == "autograd":
-            check_autograd_onnx_model(model, model_desc)
     # The whole state exists from here on (parameters, optimizer, frozen state), before any graph.
     # Megatron (horizontal parallel): the state is built from this rank's slice of the model (docs/megatron.md)
     horizontal = model_parallel(model, options, optim_config, device.torch_device) if model_parallel else None

@@ -31,6 +31,8 @@ import torch
 
 from ort_trainer.graph import canonical_name
 
+from ._protocols import StepSession
+
 __all__ = ["BindingGuard", "ModuleLinks", "link_module"]
 
 _log = logging.getLogger("ort_trainer")
@@ -174,18 +176,14 @@ class BindingGuard:
         self._pointers = [t.data_ptr() for t in tensors()]
         self.links: ModuleLinks | None = None  # set where the module shares the store's tensors
 
-    def check(self, session: object | None) -> None:
-        """Before a step: rebind ``session`` (None before the build) if the storage moved; check the module.
-
-        A session without ``rebind_state`` binds its state at every run (the Megatron segment runner).
-        """
+    def check(self, session: StepSession | None) -> None:
+        """Before a step: rebind ``session`` (None before the build) if the storage moved; check the module."""
         pointers = [t.data_ptr() for t in self._tensors()]
         if pointers != self._pointers:
             if self.links is not None:
                 self.links.refresh(self._weights())
-            rebind = getattr(session, "rebind_state", None)
-            if rebind is not None:
-                rebind()
+            if session is not None:
+                session.rebind_state()
                 _log.info("the trainer's buffers moved in memory (share_memory, a multiprocessing queue): rebound")
             self._pointers = pointers
         if self.links is not None:

@@ -45,6 +45,9 @@ _BUCKET_NUMEL = 8 * 1024 * 1024  # 32 MB of float32 per collective
 class DistributedContext:
     """This process's place in the data-parallel group, with the collectives the trainer needs."""
 
+    # the process group of the collectives: None, the default group (a Megatron view: its replicas' group)
+    group: dist.ProcessGroup | None = None
+
     def __init__(self, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size, self.device = rank, world_size, device
         self._holds_group = _ensure_process_group(rank, world_size, device)

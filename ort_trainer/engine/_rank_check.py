@@ -62,8 +62,8 @@ def start_rank_check(state: TrainerState) -> PendingRankCheck | None:
     )
     gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
     store.loads_since_check = 0
-    group = getattr(ctx, "group", None)  # Megatron: the data-parallel group of this rank's slice
-    return PendingRankCheck(dist.all_gather(gathered, mine, group=group, async_op=True), gathered)
+    # Megatron: the data-parallel group of this rank's slice
+    return PendingRankCheck(dist.all_gather(gathered, mine, group=ctx.group, async_op=True), gathered)
 
 
 def finish_rank_check(state: TrainerState, pending: PendingRankCheck | None) -> None:

@@ -1,18 +1,22 @@
-"""Where training graphs come from: the two graph sources (`_protocols.GraphSource`) and the choice between them.
+"""Where training graphs come from: the registry of graph sources (`_protocols.GraphSource`) and the choice.
 
-Two graph sources build an `Engine` from a `BuildRequest` and the first step's inputs:
+Each engine is a wing of its own, registered here by the module that holds its source, and imported only when
+it is chosen (its ``SOURCE``):
 
-* ``"onnxblock"``: the TorchScript exporter + ONNX Runtime's C++ gradient builder (``onnxruntime-training``
-  1.19.2, the last release; Python 3.11/3.12 on x86-64 Linux only);
-* ``"autograd"``: the forward and backward traced from PyTorch's own autograd and exported with the dynamo
-  exporter, run by any ``onnxruntime`` (stock 1.2x-1.3x, GPU builds, every Python and platform they ship for).
+* ``"onnxblock"`` (``engine.onnxblock``): the TorchScript exporter + ONNX Runtime's C++ gradient builder
+  (``onnxruntime-training`` 1.19.2, the last release; Python 3.11/3.12 on x86-64 Linux only);
+* ``"autograd"`` (``engine.autograd``): the forward and backward traced from PyTorch's own autograd and exported
+  with the dynamo exporter, run by any ``onnxruntime`` (stock 1.2x-1.3x, GPU builds, every Python and platform).
 
 ``choose_engine("auto")`` takes onnxblock where onnxruntime-training is installed (the engine existing runs
-were built with) and autograd elsewhere. `build_engine` hands a request to the chosen source.
+were built with) and autograd elsewhere. `graph_source` gives the chosen one, which checks what it supports at
+construction (`GraphSource.check_supported`) and builds the `Engine` at the first step (`build_engine`).
+A third source is one more entry of `_REGISTRY` (and of ``utils.engine``'s accepted names).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -28,28 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINES", "build_engine", "choose_engine", "graph_source", "onnxblock_available"]
 
-ENGINES = ("auto", "onnxblock", "autograd")
-
-
-class _Onnxblock:
-    name = "onnxblock"
-
-    def build(self, request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
-        from ._build import build_onnxblock_engine
-
-        return build_onnxblock_engine(request, sample_inputs)
-
-
-class _Autograd:
-    name = "autograd"
-
-    def build(self, request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
-        from ._autograd_build import build_autograd_engine
-
-        return build_autograd_engine(request, sample_inputs)
-
-
-_SOURCES: dict[str, GraphSource] = {"onnxblock": _Onnxblock(), "autograd": _Autograd()}
+# name -> the module whose ``SOURCE`` is the graph source (imported on first use: a wing loads only when chosen)
+_REGISTRY: dict[str, str] = {"onnxblock": "ort_trainer.engine.onnxblock", "autograd": "ort_trainer.engine.autograd"}
+ENGINES = ("auto", *_REGISTRY)
 
 
 def onnxblock_available() -> bool:
@@ -66,8 +51,8 @@ def choose_engine(requested: str) -> str:
     ValueError for an unknown name, or for ``"onnxblock"`` without onnxruntime-training (saying how to get it);
     ImportError when two ONNX Runtime packages are installed over each other (`_package.runtimes`).
     """
-    if requested not in ENGINES:
-        raise ValueError(f"utils.engine must be one of {list(ENGINES)}, got {requested!r}")
+    if requested != "auto" and requested not in _REGISTRY:
+        raise ValueError(f"utils.engine must be one of {['auto', *_REGISTRY]}, got {requested!r}")
     conflict = runtime_conflict()
     if conflict is not None:
         raise ImportError(conflict)
@@ -84,11 +69,12 @@ def choose_engine(requested: str) -> str:
 
 
 def graph_source(name: str) -> GraphSource:
-    """The graph source registered under ``name`` ("onnxblock" or "autograd")."""
+    """The graph source registered under ``name`` ("onnxblock", "autograd" or a registered one)."""
     try:
-        return _SOURCES[name]
+        module = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"no graph source {name!r}; known: {sorted(_SOURCES)}") from None
+        raise ValueError(f"no graph source {name!r}; known: {sorted(_REGISTRY)}") from None
+    return importlib.import_module(module).SOURCE
 
 
 def build_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:

@@ -40,9 +40,9 @@ def train_step(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tenso
         feeds[engine.loss_scale_input] = _loss_scale_feed(engine, scaler.loss_scale)
     # This step's Dropout masks: a function of (seed, rank, step) only. Horizontal (Megatron) sessions keep
     # ORT's own generator: their replicated regions would need one seed per data-parallel group.
-    if getattr(engine.session, "draws_randomness", False):
+    if engine.session.draws_randomness:
         engine.session.seed_step(step_seed(info.seed, 0 if state.dist is None else state.dist.rank, step))
-    with explain_run_errors(engine.label_specs, engine.input_shapes, state.model_desc.input_names, inputs, feeds):
+    with _explained(state, engine, inputs, feeds):
         outputs = engine.session.run_train(feeds, (step - 1) % accumulation == 0)
     _rank_check.finish_rank_check(state, pending_check)
     info.step = step
@@ -61,8 +61,15 @@ def eval_step(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tensor
     """Forward pass of the eval graph (dropout off, BatchNorm with running statistics); its outputs."""
     check_fetches(state)
     feeds = _feeds(state, engine, inputs)
-    with explain_run_errors(engine.label_specs, engine.input_shapes, state.model_desc.input_names, inputs, feeds):
+    with _explained(state, engine, inputs, feeds):
         return engine.session.run_eval(feeds)
+
+
+def _explained(state: TrainerState, engine: Engine, inputs: Sequence[torch.Tensor], feeds: dict[str, torch.Tensor]):
+    """A failed run re-raised in the user's terms: the session's own explanation first, then the step's checks."""
+    names = state.model_desc.input_names
+    explain = engine.session.explain_failure
+    return explain_run_errors(engine.label_specs, engine.input_shapes, names, inputs, feeds, explain)
 
 
 def check_fetches(state: TrainerState) -> None:

@@ -19,12 +19,12 @@ if TYPE_CHECKING:
     from ort_trainer.config.model_desc import ModelDescription
     from ort_trainer.config.options import ORTTrainerOptions
     from ort_trainer.optim.config import OptimizerConfig
+    from ort_trainer.runtime import DeviceSpec
     from ort_trainer.train_step_info import TrainStepInfo
 
     from ._build import Engine
     from ._distributed import DistributedContext
     from ._protocols import ModelParallel
-    from ._session import DeviceSpec
     from ._store import ParamStore
 
 __all__ = ["TrainerState"]

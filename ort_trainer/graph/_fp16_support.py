@@ -35,7 +35,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from ort_trainer.diagnosis import quiet_native_info_logs
+from ort_trainer.runtime import quiet_native_info_logs
 
 __all__ = [
     "OpKey",

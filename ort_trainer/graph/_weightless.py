@@ -24,6 +24,7 @@ __all__ = [
     "checkable",
     "copy_without_data",
     "initializer_data_bytes",
+    "onnx_model_parameters",
     "shell_initializer",
     "shells_to_inputs",
     "strip_data",
@@ -125,3 +126,9 @@ def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
 def _is_shell(init: onnx.TensorProto) -> bool:
     """No data in any of the tensor's data fields (raw bytes or typed lists)."""
     return not init.raw_data and not any(len(getattr(init, f)) for f in _DATA_FIELDS if f != "raw_data")
+
+
+def onnx_model_parameters(model: onnx.ModelProto) -> list[str]:
+    """Float initializers of a user-given ONNX model: its parameters (everything else is a constant)."""
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+    return [init.name for init in model.graph.initializer if init.data_type in floats]

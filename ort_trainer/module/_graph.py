@@ -38,8 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from ort_trainer.diagnosis import label_range_message, quiet_native_info_logs
-from ort_trainer.engine import DeviceSpec, from_ortvalue, resolve_device, to_ortvalue, use_shared_cpu_arena
+from ort_trainer.diagnosis import label_range_message
 from ort_trainer.graph.autograd import (
     DISABLED_ORT_OPTIMIZERS,
     GraphCache,
@@ -50,6 +49,14 @@ from ort_trainer.graph.autograd import (
     lift_random_ops,
     missing_kernel_error,
     output_dtype_error,
+)
+from ort_trainer.runtime import (
+    DeviceSpec,
+    from_ortvalue,
+    quiet_native_info_logs,
+    resolve_device,
+    to_ortvalue,
+    use_shared_cpu_arena,
 )
 
 from ._export import exported, folded_outputs

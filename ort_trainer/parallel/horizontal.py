@@ -70,6 +70,7 @@ class HorizontalParallel:
             "horizontal parallel: %d segments, %d communication points", len(graph.segments), len(graph.markers)
         )
         return ParallelSession(
+            forward,
             graph,
             {n: store.param_views[n] for n in trainable},
             {n: store.grad_views[n] for n in trainable},

@@ -11,15 +11,17 @@ it to its input, g hands it on unchanged. Same interface as the engine's ``Train
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 
+import onnx
 import onnxruntime as ort
 import torch
 import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
-from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.engine import DeviceSpec, to_ortvalue, track
+from ort_trainer.graph.onnxblock import unseal_no_gradient_copies
+from ort_trainer.runtime import DeviceSpec, quiet_native_info_logs, to_ortvalue, track
 
 from .markers import COPY_OP
 from .segments import UPSTREAM_SUFFIX, SegmentedGraph
@@ -62,6 +64,7 @@ class ParallelSession:
 
     def __init__(
         self,
+        forward: onnx.ModelProto,
         graph: SegmentedGraph,
         params: Mapping[str, torch.Tensor],
         grads: Mapping[str, torch.Tensor],
@@ -73,6 +76,7 @@ class ParallelSession:
         group,
     ):
         self._graph, self._group, self._loss = graph, group, loss
+        self._eval_model = forward  # this rank's forward graph, whole: its eval graph (``save_as_onnx``)
         self._state = {**params, **frozen}
         self._grads = grads
         self._user_outputs = list(user_outputs)
@@ -84,6 +88,22 @@ class ParallelSession:
     @property
     def train_input_names(self) -> list[str]:
         return list(self._graph.graph_inputs)
+
+    def seed_step(self, seed: int) -> None:
+        """Nothing to seed (``draws_randomness`` is False)."""
+
+    def rebind_state(self) -> None:
+        """Nothing to rebind: the segments bind the state at every run."""
+
+    def eval_graph(self) -> onnx.ModelProto:
+        """A copy of this rank's forward graph, its stop-gradient copies as ``Identity``."""
+        model = copy.deepcopy(self._eval_model)
+        unseal_no_gradient_copies(model)
+        return model
+
+    def explain_failure(self, inputs: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
+        """None: the step's own checks explain a failed run."""
+        return None
 
     def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         values = self._forward_pass(inputs)

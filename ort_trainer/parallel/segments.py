@@ -22,8 +22,8 @@ import onnx
 from onnx import TensorProto, helper
 from onnxruntime import SessionOptions
 
-from ort_trainer.diagnosis import quiet_native_info_logs
-from ort_trainer.graph import forget_unnamed_dims
+from ort_trainer.graph.onnxblock import forget_unnamed_dims
+from ort_trainer.runtime import quiet_native_info_logs
 
 from .markers import COPY_OP, DOMAIN, REDUCE_OP
 

@@ -17,10 +17,10 @@ import torch
 from onnx import TensorProto, helper
 
 import ort_trainer.engine._assembly as assembly
-import ort_trainer.engine._autograd_precision as precision_module
+import ort_trainer.engine.autograd._precision as precision_module
 from ort_trainer import ORTTrainer, amp, optim
 from ort_trainer.config.options import OptionsError
-from ort_trainer.engine._autograd_precision import autograd_precision, report_fallbacks
+from ort_trainer.engine.autograd._precision import autograd_precision, report_fallbacks
 from ort_trainer.graph.autograd import Precision
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ort_trainer.engine import _session
+from ort_trainer.runtime import _devices, _outputs
 
 STREAM = 0x7F00DEAD
 
@@ -19,7 +19,7 @@ class _Stream:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(
-        _session.ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        _devices.ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -27,7 +27,7 @@ def fake_cuda(monkeypatch):
 
 
 def test_cuda_runs_on_torchs_stream_with_an_arena_that_grows_as_asked(fake_cuda):
-    spec = _session.resolve_device("cuda:1")
+    spec = _devices.resolve_device("cuda:1")
     (name, options), cpu = spec.providers
     assert (name, cpu) == ("CUDAExecutionProvider", "CPUExecutionProvider")
     assert options == {
@@ -37,18 +37,18 @@ def test_cuda_runs_on_torchs_stream_with_an_arena_that_grows_as_asked(fake_cuda)
         "user_compute_stream": str(STREAM),
     }
     assert spec.torch_device == torch.device("cuda", 1)
-    run = _session._run_options(spec, shrink_arena=False)
+    run = _outputs.run_options(spec, shrink_arena=False)
     assert run.get_run_config_entry("disable_synchronize_execution_providers") == "1"
 
 
 def test_the_users_cuda_provider_options_win(fake_cuda):
     mine = {"arena_extend_strategy": "kNextPowerOfTwo", "user_compute_stream": "42", "use_tf32": "0"}
-    (_, options), _ = _session.resolve_device("cuda", {"CUDAExecutionProvider": mine}).providers
+    (_, options), _ = _devices.resolve_device("cuda", {"CUDAExecutionProvider": mine}).providers
     assert options["device_id"] == 0
     assert {k: options[k] for k in mine} == mine
 
 
 def test_a_cpu_run_keeps_onnxruntimes_synchronisation():
-    run = _session._run_options(_session.resolve_device("cpu"), shrink_arena=False)
+    run = _outputs.run_options(_devices.resolve_device("cpu"), shrink_arena=False)
     with pytest.raises(RuntimeError):  # no such entry: ORT's default (synchronise) applies
         run.get_run_config_entry("disable_synchronize_execution_providers")

@@ -13,8 +13,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from ort_trainer.engine import DLPACK_ROUTE, from_ortvalue, to_ortvalue
-from ort_trainer.engine._dlpack import dlpack_route
+from ort_trainer.runtime import DLPACK_ROUTE, from_ortvalue, to_ortvalue
+from ort_trainer.runtime._dlpack import dlpack_route
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 

@@ -54,7 +54,7 @@ def _files(folder):
 @contextlib.contextmanager
 def _no_export():
     """Fails any export inside the block: what runs in it must come from the cache."""
-    from ort_trainer.engine import _autograd_build
+    from ort_trainer.engine.autograd import _build as _autograd_build
 
     real = _autograd_build.graph_to_onnx
 

@@ -13,33 +13,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ort_trainer import ORTTrainer, optim
 from tests.models import MLP, MLP_DESC, mlp_batches
-from tests.onnx_models import ce, export_with_loss, onnx_case
+from tests.onnx_models import assert_state_matches, ce, export_with_loss, onnx_case, torch_sgd_steps
 
 AUTOGRAD = {"utils": {"engine": "autograd"}}
 
 
 def _float_initializers(model: onnx.ModelProto) -> list[str]:
     return [i.name for i in model.graph.initializer if i.data_type == TensorProto.FLOAT]
-
-
-def _torch_sgd_steps(model: torch.nn.Module, batches, lr: float = 0.1) -> list[torch.Tensor]:
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for x, label in batches:
-        opt.zero_grad()
-        loss = ce(model(x), label)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return losses
-
-
-def _assert_state_matches(trainer: ORTTrainer, reference: torch.nn.Module) -> None:
-    state = trainer.state_dict()["model"]["full_precision"]
-    expected = {f"m.{k}": v for k, v in reference.state_dict().items() if v.is_floating_point()}
-    assert set(state) == set(expected)
-    for name, value in state.items():
-        torch.testing.assert_close(value, expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("case", ["mlp", "cnn", "flattening"])
@@ -52,9 +32,9 @@ def test_an_onnx_model_trains_on_the_autograd_engine_as_pytorch_trains_its_sourc
     assert set(trainer.state_dict()["model"]["full_precision"]) == set(_float_initializers(exported))
     losses = [trainer.train_step(*batch) for batch in batches]
     torch.testing.assert_close(
-        torch.stack(losses), torch.stack(_torch_sgd_steps(reference, batches)), atol=1e-5, rtol=1e-5
+        torch.stack(losses), torch.stack(torch_sgd_steps(reference, batches)), atol=1e-5, rtol=1e-5
     )
-    _assert_state_matches(trainer, reference)
+    assert_state_matches(trainer, reference)
     reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(
@@ -69,9 +49,9 @@ def test_frozen_weights_of_an_onnx_model_stay_and_the_rest_train_as_in_pytorch()
     reference.fc1.weight.requires_grad_(False)
     losses = [trainer.train_step(*batch) for batch in batches]
     torch.testing.assert_close(
-        torch.stack(losses), torch.stack(_torch_sgd_steps(reference, batches)), atol=1e-5, rtol=1e-5
+        torch.stack(losses), torch.stack(torch_sgd_steps(reference, batches)), atol=1e-5, rtol=1e-5
     )
-    _assert_state_matches(trainer, reference)
+    assert_state_matches(trainer, reference)
     initial = numpy_helper.to_array(next(i for i in exported.graph.initializer if i.name == "m.fc1.weight"))
     assert np.array_equal(trainer.state_dict()["model"]["full_precision"]["m.fc1.weight"].numpy(), initial)
 
@@ -150,27 +130,3 @@ def test_a_graph_input_that_no_model_desc_input_feeds_is_refused_at_construction
     desc = {"inputs": [("x", [3])], "outputs": [("loss", [], True)]}
     with pytest.raises(ValueError, match=r"graph inputs \['bias'\] are not model_desc inputs"):
         ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), options=AUTOGRAD)
-
-
-def test_both_engines_train_an_onnx_model_alike_and_share_its_checkpoints(tmp_path):
-    """Marked ``onnxblock`` (tests/conftest.py): the onnxblock engine, the autograd engine and PyTorch, 4 SGD steps
-    of the MLP and of the CNN (whose BatchNorm statistics the onnxblock engine had taken for parameters and failed
-    on); then a checkpoint of one engine continues on the other."""
-    for case in ("mlp", "cnn"):
-        exported, reference, desc, batches = onnx_case(case)
-        trainers = {e: ORTTrainer(exported, desc, optim.SGDConfig(lr=0.1), options={"utils": {"engine": e}})
-                    for e in ("onnxblock", "autograd")}  # fmt: skip
-        losses = {e: torch.stack([t.train_step(*b) for b in batches[:3]]) for e, t in trainers.items()}
-        expected = torch.stack(_torch_sgd_steps(reference, batches[:3]))
-        for engine, trainer in trainers.items():
-            torch.testing.assert_close(losses[engine], expected, atol=1e-5, rtol=1e-5, msg=f"{case} {engine}")
-            _assert_state_matches(trainer, reference)
-        trainers["autograd"].save_checkpoint(tmp_path / f"{case}.ortcp")
-        moved = ORTTrainer(exported, desc, optim.SGDConfig(lr=0.1), options={"utils": {"engine": "onnxblock"}})
-        moved.load_checkpoint(tmp_path / f"{case}.ortcp")
-        torch.testing.assert_close(
-            moved.train_step(*batches[3]), trainers["autograd"].train_step(*batches[3]), atol=1e-5, rtol=1e-5
-        )
-        after = trainers["autograd"].state_dict()["model"]["full_precision"]
-        for name, value in moved.state_dict()["model"]["full_precision"].items():
-            torch.testing.assert_close(value, after[name], atol=1e-5, rtol=1e-5, msg=f"{case} {name}")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ort_trainer import ORTModule
-from ort_trainer.engine import DLPACK_ROUTE
 from ort_trainer.graph.autograd import TraceError
+from ort_trainer.runtime import DLPACK_ROUTE
 from tests.hf_tiny import tiny_gpt2_config
 from tests.models import CNN, MLP, TinyLM, cnn_batches, lm_batches, lm_loss, mlp_batches
 

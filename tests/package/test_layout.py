@@ -251,31 +251,86 @@ def test_checkpoint_package_shows_its_parts():
 
 
 def test_trainer_package_shows_its_parts_and_imports_go_one_way():
-    """graph/ (making the training graph) never imports engine/ (running it) or the state code."""
+    """graph/ (making the training graph) never imports engine/ (running it) or the state code; the ONNX Runtime
+    plumbing (runtime/) imports nothing of ours."""
     folder = _ROOTS["ort_trainer"]
     rooms = {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert {"config", "graph", "diagnosis", "engine", "_state"} <= rooms
+    assert {"config", "graph", "diagnosis", "engine", "_state", "runtime"} <= rooms
     flat = {p.name for p in folder.glob("*.py")}
     assert flat == {"__init__.py", "__main__.py", "trainer.py", "train_step_info.py"}, flat  # __main__: -m
-    assert (folder / "graph" / "rewrites" / "__init__.py").exists()
+    for wing in (
+        "engine/autograd",
+        "engine/onnxblock",
+        "graph/autograd",
+        "graph/onnxblock",
+        "graph/onnxblock/rewrites",
+    ):
+        assert (folder / wing / "__init__.py").exists(), wing
     above = {
         "ort_trainer.graph": ("ort_trainer.engine", "ort_trainer._state", "ort_trainer.trainer", "ort_trainer.module"),
-        # the engine names no room above it: model parallel plugs in through engine.ModelParallel
-        "ort_trainer.engine": (
-            "ort_trainer._state",
-            "ort_trainer.trainer",
-            "ort_trainer.parallel",
-            "ort_trainer.hf",
-            "ort_trainer.module",
-        ),
+        # the engine names no room above it: model parallel plugs in through its graph source (engine.ModelParallel)
+        "ort_trainer.engine": ("ort_trainer._state", "ort_trainer.trainer", "ort_trainer.hf", "ort_trainer.module"),
         # ORTModule and the compile backend sit beside the trainer, on graph/ and engine/, never the trainer's state
         "ort_trainer.module": ("ort_trainer._state", "ort_trainer.trainer", "ort_trainer.parallel", "ort_trainer.hf"),
+        "ort_trainer.runtime": tuple(
+            f"ort_trainer.{room}"
+            for room in rooms - {"runtime", "_package"} | {"trainer", "checkpoint", "optim", "amp"}
+        ),
     }
     for name, edges in _import_graph(type_checking=True).items():
         for room, forbidden in above.items():
             if name.startswith(room):
                 wrong = sorted(e for e in edges if e.startswith(forbidden))
                 assert not wrong, f"{name} imports {wrong}"
+
+
+# Each engine is a wing: its graph half, its engine half (build, session, source) and what only it runs. The
+# registry (`engine._sources`) names a wing's module as a string; ORTModule (`module/`) reuses the autograd wing.
+WINGS = {
+    "autograd": ("ort_trainer.engine.autograd", "ort_trainer.graph.autograd"),
+    "onnxblock": ("ort_trainer.engine.onnxblock", "ort_trainer.graph.onnxblock", "ort_trainer.parallel"),
+}
+WING_GUESTS = {"autograd": ("ort_trainer.module",), "onnxblock": ()}
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_nothing_outside_a_wing_imports_it():
+    """Not even for annotations: a wing can be taken out by deleting its folders and its registry entry."""
+    found = []
+    for name, edges in _import_graph(type_checking=True).items():
+        for wing, packages in WINGS.items():
+            if _in(name, packages) or _in(name, WING_GUESTS[wing]):
+                continue
+            found += [f"{name} imports {e} ({wing} wing)" for e in sorted(edges) if _in(e, packages)]
+    assert not found, "\n".join(found)
+
+
+def test_the_registry_names_every_wing_and_each_wing_offers_its_source():
+    from ort_trainer.engine import _sources
+
+    assert {n: m for n, m in _sources._REGISTRY.items()} == {w: p[0] for w, p in WINGS.items()}
+    for module in _sources._REGISTRY.values():
+        init = ast.parse(_modules()[module].read_text())
+        assert "SOURCE" in ast.unparse(init), f"{module} does not offer SOURCE"
+
+
+def test_ortmodule_imports_only_the_runtime_room_and_the_autograd_wing_of_the_engine():
+    """ORTModule needs ONNX Runtime plumbing and the autograd graphs: not the trainer's engine core, whose
+    import would load checkpoint/, optim/ and the process group code."""
+    engine_rooms = ("ort_trainer.engine", "ort_trainer.checkpoint", "ort_trainer.optim", "ort_trainer._state")
+    graph = _import_graph(type_checking=True)
+    reached, todo = set(), ["ort_trainer.module"]
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        todo += [e for e in graph[name] if e.startswith("ort_trainer")]
+    wrong = sorted(m for m in reached if _in(m, engine_rooms) and not _in(m, WINGS["autograd"]))
+    assert not wrong, wrong
 
 
 def test_the_module_room_uses_only_the_public_names_of_graph_and_engine():

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from ort_trainer.diagnosis._native_logs import quiet_native_info_logs
+from ort_trainer.runtime._native_logs import quiet_native_info_logs
 from tests.paths import REPO
 
 LIBRARY = [REPO / "ort_trainer", REPO / "checkpoint", REPO / "optim", REPO / "amp"]

@@ -1,5 +1,6 @@
-"""The test tree stays honest: no test module imports another, and the marker lists of ``tests/conftest.py``
-name tests that exist (a moved or renamed test would silently lose its ``onnxblock`` or ``slow`` marker)."""
+"""The test tree stays honest: no test module imports another, the marker lists of ``tests/conftest.py`` name
+tests that exist (a moved or renamed test would silently lose its ``slow`` marker), and the onnxblock tests live in
+``tests/onnxblock/``, which only the onnxruntime-training venv collects."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.conftest import LATEST_TESTS, ONNXBLOCK_ONLY, ONNXBLOCK_TESTS, SLOW_TESTS, _deselects_onnxblock
+from tests.conftest import LATEST_TESTS, ONNXBLOCK_FOLDER, SLOW_TESTS
 from tests.paths import REPO
 
 TESTS = REPO / "tests"
@@ -43,8 +44,8 @@ def _test_functions(path: Path) -> set[str]:
 
 
 def test_every_entry_of_the_marker_lists_names_an_existing_test():
-    stale = [f"ONNXBLOCK_ONLY: {f}" for f in sorted(ONNXBLOCK_ONLY) if not (TESTS / f).is_file()]
-    lists = (("ONNXBLOCK_TESTS", ONNXBLOCK_TESTS), ("SLOW_TESTS", SLOW_TESTS), ("LATEST_TESTS", LATEST_TESTS))
+    stale = []
+    lists = (("SLOW_TESTS", SLOW_TESTS), ("LATEST_TESTS", LATEST_TESTS))
     for list_name, entries in lists:
         for entry in sorted(entries):
             file, _, test = entry.partition("::")
@@ -55,25 +56,41 @@ def test_every_entry_of_the_marker_lists_names_an_existing_test():
     assert not stale, "entries that name no test (moved or renamed?):\n" + "\n".join(stale)
 
 
-def _make_expression(target: str) -> str:
-    """The ``-m`` expression of a Makefile target, with the Makefile's variables put in."""
+def _recipe(target: str) -> str:
+    """The pytest command of a Makefile target, with the Makefile's variables put in."""
     text = (REPO / "Makefile").read_text()
     variables = dict(re.findall(r"^([A-Z_]+) := (.+)$", text, re.M))
     recipe = re.search(rf"^{re.escape(target)}:.*\n\t(.+)$", text, re.M).group(1)
-    expression = re.search(r'-m "([^"]+)"', recipe).group(1)
-    return re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables[m.group(1)], expression)
+    return re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables.get(m.group(1), m.group(0)), recipe)
 
 
-def test_onnxblock_only_files_are_left_out_only_where_no_onnxblock_test_is_selected():
-    """The onnxblock-only files (which import onnxruntime-training) are not collected by the stock venv's
-    targets, and are by ``make test-onnxblock``: a substring test for "not onnxblock" had left 97 of their
-    tests (and the onnxblock fault suites) out of CI, because ``not (zoo and not onnxblock)`` contains it."""
-    assert _deselects_onnxblock("not slow and not onnxblock")
-    assert not _deselects_onnxblock("not faults and not (zoo and not onnxblock)")
-    assert not _deselects_onnxblock("")
+def test_the_onnxblock_folder_is_collected_only_by_the_onnxruntime_training_venv():
+    """tests/onnxblock/ (whose files import onnxruntime-training) is left out by every stock-venv target and
+    collected by ``make test-onnxblock``; the stock targets deselect the onnxblock parametrizations elsewhere."""
+    assert (TESTS / ONNXBLOCK_FOLDER).is_dir()
     for target in ("test", "test-long", "test-slow", "test-faults", "test-zoo", "test-hf", "test-install"):
-        assert _deselects_onnxblock(_make_expression(target)), target
-    assert not _deselects_onnxblock(_make_expression("test-onnxblock"))
+        recipe = _recipe(target)
+        assert f"--ignore=tests/{ONNXBLOCK_FOLDER.rstrip('/')}" in recipe and "not onnxblock" in recipe, target
+    assert "--ignore" not in _recipe("test-onnxblock")
+
+
+_ONNXBLOCK_IMPORT = (
+    r"^\s*(from|import) (onnxruntime\.training|ort_trainer\.(engine|graph)\.onnxblock|ort_trainer\.parallel)\b"
+)
+
+
+def test_no_test_outside_the_onnxblock_folder_imports_onnxruntime_training():
+    """A test that means the onnxblock engine lives in tests/onnxblock/ (its marker follows from the folder)."""
+    found = []
+    for path in _test_modules():
+        if path.relative_to(TESTS).as_posix().startswith(ONNXBLOCK_FOLDER):
+            continue
+        imports = (
+            r"^\s*(from|import) (onnxruntime\.training|ort_trainer\.(engine|graph)\.onnxblock|ort_trainer\.parallel)\b"
+        )
+        if re.search(imports, path.read_text(), re.M):
+            found.append(str(path.relative_to(REPO)))
+    assert not found, found
 
 
 def _texts_that_name_tests() -> list[Path]:

@@ -32,8 +32,8 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ort_trainer.config.model_desc import ModelDescription
-from ort_trainer.graph._embedding import refuse_max_norm
 from ort_trainer.graph._forward import ModelWithLoss, OutputContractError, OutputContractTypeError
+from ort_trainer.graph._module_checks import refuse_max_norm
 from ort_trainer.graph._names import outer_module, plain_module
 
 from ._decompositions import training_decompositions
