@@ -15,7 +15,14 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from ort_trainer.graph.autograd import GraphCache, SymbolicShapesError, TracedGraph, TraceError, graph_to_onnx
+from ort_trainer.graph.autograd import (
+    GraphCache,
+    SymbolicShapesError,
+    TracedGraph,
+    TraceError,
+    get_or_build,
+    graph_to_onnx,
+)
 
 __all__ = ["exported", "folded_outputs"]
 
@@ -53,28 +60,10 @@ def _lines_calling(module: torch.fx.GraphModule, ops: list[str]) -> str:
 
 def exported(traced: TracedGraph, cache: GraphCache | None, kind: str) -> onnx.ModelProto:
     """``traced`` as an ONNX model, from the graph cache when it holds it (``cache`` None: no cache)."""
-    if cache is None:
-        return _to_onnx(traced, kind)
-    key = cache.key(traced.fingerprint(), {"ortmodule": kind})
-    try:
-        building = cache.building(key)
-        building.__enter__()
-    except OSError as error:  # a read-only or full cache folder must not stop training
-        _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
-        return _to_onnx(traced, kind)
-    try:
-        model = cache.get(key)
-        if model is not None:
-            _log.info("graph cache: ORTModule %s graph loaded from %s", kind, cache.directory)
-            return model
-        model = _to_onnx(traced, kind)
-        try:
-            cache.put(key, model)
-        except OSError as error:
-            _log.warning("graph cache %s: could not store the graph (%s)", cache.directory, error)
-        return model
-    finally:
-        building.__exit__(None, None, None)
+    model, hit = get_or_build(cache, traced, {"ortmodule": kind}, lambda: _to_onnx(traced, kind))
+    if hit:
+        _log.info("graph cache: ORTModule %s graph loaded from %s", kind, cache.directory)
+    return model
 
 
 def folded_outputs(model: onnx.ModelProto, device: torch.device) -> list[torch.Tensor] | None:

@@ -137,7 +137,8 @@ def _value_types(model: onnx.ModelProto, markers: Iterable[onnx.NodeProto]) -> d
     """Every value's type, from shape inference on a copy where markers are Identity nodes.
 
     The declared types of what ONNX cannot infer (outputs of ``com.microsoft`` ops, e.g. the no-gradient
-    copies of ``graph._no_gradient``) are kept, so that inference goes on past them; the rest are inferred anew.
+    copies of ``graph.onnxblock._no_gradient``) are kept, so that inference goes on past them; the rest are
+    inferred anew.
     """
     probe = copy.deepcopy(model)
     for node in probe.graph.node:

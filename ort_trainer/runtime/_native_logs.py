@@ -6,7 +6,7 @@ re-emit them as records of this module's logger (under ``ort_trainer``): ONNX Ru
 lines as ERROR, its INFO/VERBOSE lines as DEBUG (dropped unless that level is enabled), anything else as
 WARNING, so users still see what matters. The gradient builder's warning about weight consumers that no
 gradient reaches is DEBUG when every node it names ends with `NO_GRADIENT_NODE_SUFFIX`: our graphs build such
-nodes on purpose (``graph._embedding``: a padding row read without a gradient).
+nodes on purpose (``graph.onnxblock._embedding``: a padding row read without a gradient).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def test_processes_building_the_same_graph_at_once_share_one_file(cache_dir):
     losses = {line for out in outputs for line in out.splitlines() if line.startswith("LOSS")}
     assert len(losses) == 1, outputs
     assert len(_files(cache_dir)) == 1
-    assert not list(cache_dir.glob("*.tmp"))
+    assert not list(cache_dir.glob(".*.tmp-*"))  # no temporary file left behind
 
 
 @pytest.mark.processes
@@ -561,3 +561,60 @@ def test_a_symbolic_link_planted_as_a_lock_is_not_followed(cache_dir, tmp_path, 
     assert _trained_loss() == first
     assert not outside.exists() and lock.is_symlink()
     assert "symbolic link" in caplog.text and "without it" in caplog.text, caplog.text
+
+
+def test_an_entry_is_written_by_the_checkpoint_file_rules(tmp_path, monkeypatch):
+    """The cache publishes as a checkpoint save does (``checkpoint.format.files``): a temporary name carrying the
+    writer's host and pid, the file fsynced before an atomic rename, then the folder."""
+    from ort_trainer.checkpoint.format import files
+
+    published, synced = [], []
+    real_publish, real_fsync = files.publish, os.fsync
+    monkeypatch.setattr(
+        files,
+        "publish",
+        lambda tmp, path, overwrite: (published.append((tmp, path, overwrite)), real_publish(tmp, path, overwrite))[1],
+    )
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    cache, key = GraphCache(tmp_path), GraphCache.key("published", {})
+    cache.put(key, _identity_model())
+    [(tmp, path, overwrite)] = published
+    assert path == tmp_path / f"{key}.onnx" and overwrite
+    assert files.TEMP_RE.match(tmp.name) and f".{os.getpid()}-" in tmp.name, tmp.name
+    assert synced[0] == str(tmp) and str(tmp_path) in synced[1:], synced  # the file before its rename, then the folder
+    assert cache.get(key) is not None and not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_a_killed_writers_temporary_file_is_removed_at_the_next_write_and_a_live_ones_is_kept(tmp_path):
+    from ort_trainer.checkpoint.format.files import host_tag
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    key = GraphCache.key("stale", {})
+    killed = tmp_path / f".{key}.onnx.tmp-{host_tag()}.{int(dead.stdout)}-0badf00d"
+    live = tmp_path / f".{key}.onnx.tmp-{host_tag()}.{os.getppid()}-0badf00d"
+    for leftover in (killed, live):
+        leftover.write_bytes(b"half a graph")
+    GraphCache(tmp_path).put(GraphCache.key("another", {}), _identity_model())
+    assert not killed.exists() and live.exists()
+
+
+def test_the_trainer_and_ortmodule_both_get_their_graphs_through_get_or_build(cache_dir, monkeypatch):
+    """One cache API for both doors: the same key, lock, verified read and write, whoever asks."""
+    from ort_trainer import ORTModule
+
+    asked, real = [], GraphCache.get_or_build
+
+    def recorded(self, key, build, usable=lambda model: True):
+        model, hit = real(self, key, build, usable)
+        asked.append(hit)
+        return model, hit
+
+    monkeypatch.setattr(GraphCache, "get_or_build", recorded)
+    _trained_loss()
+    assert asked == [False]  # the trainer's training graph, built and stored
+    _trained_loss()
+    assert asked == [False, True]  # a second trainer finds it
+    torch.manual_seed(0)
+    module = ORTModule(torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.Tanh()))
+    module(torch.randn(4, 6)).sum().backward()
+    assert len(asked) >= 4 and asked[2:] == [False] * (len(asked) - 2)  # ORTModule's forward and backward graphs

@@ -1,4 +1,4 @@
-"""The spawned side of tests/engine/test_shared_storage_onnxblock.py: a module received through a
+"""The spawned side of tests/onnxblock/test_shared_storage_onnxblock.py: a module received through a
 ``torch.multiprocessing`` queue (its storages in shared memory) trained by an ``ORTTrainer`` on the engine the
 parent names."""
 

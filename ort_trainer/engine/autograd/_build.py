@@ -16,7 +16,6 @@ torch route, Megatron segments, and ``_internal_use.extra_postprocess`` (it edit
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import warnings
@@ -38,6 +37,7 @@ from ort_trainer.graph.autograd import (
     TracedGraph,
     TraceError,
     class_index_inputs,
+    get_or_build,
     graph_cache_from_env,
     graph_to_onnx,
     onnx_model_problems,
@@ -94,72 +94,15 @@ def _check_onnx_model(model: onnx.ModelProto, desc: ModelDescription) -> None:
 
 def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.Tensor]) -> Engine:
     """Trace + export (or load from the graph cache) the training graph, open its session."""
-    precision = autograd_precision(request.mixed_precision, request.mixed_precision_dtype, request.device.providers)
-    store, desc = request.store, request.desc
-    if isinstance(request.model, onnx.ModelProto):  # its parameters are the store's tensors, under the ONNX names
-        request = dataclasses.replace(request, model=OnnxModule(request.model, store.weights, store.layout.names))
-    trainable = {name: store.param_views[name] for name in store.layout.names}
-    frozen = dict(store.frozen)
-    first_inputs = dict(zip(desc.input_names, sample_inputs, strict=True))
-    cache = graph_cache_from_env(request.graph_cache)
-    constants: dict[str, torch.Tensor] = {}
-    label_specs: list[LabelSpec] = []  # model_desc inputs a loss reads as class indices (found in the first graph)
-    # the input dims model_desc names with a string: one graph serves every size of them (graph.autograd._symbolic),
-    # unless the exporter cannot keep them symbolic (then one graph per shape, said once: `_symbolic_or_static`)
-    shapes = _Shapes({n: a for n, a in desc.dynamic_axes().items() if n in desc.input_names})
-
-    def build(feeds: Mapping[str, torch.Tensor] | None, training: bool) -> AutogradGraphs:
-        """The graphs for ``feeds`` (None: the first inputs): traced, then loaded from the cache under the trace's
-        key (`_exported`), else exported and stored."""
-        inputs = [first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
-        traced, model = shapes.trace_and_export(
-            lambda axes: trace_graph(
-                request.model,
-                request.loss_fn,
-                desc,
-                trainable,
-                frozen,
-                inputs,
-                training=training,
-                precision=precision,
-                dynamic=axes,
-            ),
-            lambda traced: _exported(traced, cache, training, precision),
-        )
-        count = traced.state_count  # the state comes first (a cached graph's names then list its random inputs too)
-        for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
-            if name not in trainable and name not in frozen and name not in desc.input_names:
-                constants.setdefault(name, _buffer_input(store.buffers, name, value))
-        if feeds is None and training:
-            label_specs[:] = _label_specs(traced, desc)
-        return AutogradGraphs(model, traced.names(), dict(zip(desc.input_names, inputs, strict=True)))
-
-    def explain(feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
-        """A failed run (a label out of range...) explained by PyTorch on the same inputs, naming the input."""
-        inputs = [feeds.get(n, first_inputs[n]) for n in desc.input_names]
-        return explain_trace_failure(request.model, request.loss_fn, desc, inputs, RuntimeError(str(error)))
-
+    builder = _GraphBuilder(request, sample_inputs)
+    request, store = builder.request, builder.store
     progress = BuildProgress(2, "ORTTrainer build (autograd engine)")
     try:
         with progress.phase("trace and export the training graph"):
-            first = build(None, True)
-            report_fallbacks(first.model, precision, request.device.providers)
+            first = builder.graphs(None, True)
+            report_fallbacks(first.model, builder.precision, request.device.providers)
         with progress.phase("training session"):
-            session = AutogradSession(
-                build,
-                first,
-                trainable,
-                {name: store.grad_views[name] for name in store.layout.names},
-                store.padded_grads,
-                frozen,
-                constants,
-                list(desc.output_names),
-                request.device,
-                request.session_options,
-                request.shrink_arena,
-                explain=explain,
-                step_inputs=precision.extra_inputs(True),
-            )
+            session = builder.session(first)
     except TraceError as error:
         raise _explained_trace_error(request, error, list(sample_inputs)) from error
     _note_unused_inputs(first.names.unused_inputs)
@@ -177,9 +120,98 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
         output_types=_output_types(first.model),
         # the graph itself writes BatchNorm's num_batches_tracked (a buffer its forward writes): no count beside it
         tracks_batches=False,
-        label_specs=label_specs,
-        loss_scale_input=LOSS_SCALE_INPUT if precision.loss_scale else None,
+        label_specs=builder.label_specs,
+        loss_scale_input=LOSS_SCALE_INPUT if builder.precision.loss_scale else None,
     )
+
+
+class _GraphBuilder:
+    """The graphs of one trainer, built when they are needed: the first step's, then one for each input signature
+    the session meets (`graphs`); and a failed run explained by PyTorch (`explain`). The session holds these two
+    bound methods, nothing else of the build.
+
+    What every graph shares lives here: the model (a user's ONNX model as an `OnnxModule` over the store's
+    tensors), the state it is traced over, the precision, the graph cache, the input dims kept symbolic
+    (`_Shapes`), and what the graphs found: the module's buffers they read (``constants``) and the inputs a loss
+    reads as class indices (``label_specs``, from the first training graph)."""
+
+    def __init__(self, request: BuildRequest, sample_inputs: Sequence[torch.Tensor]):
+        store, desc = request.store, request.desc
+        if isinstance(request.model, onnx.ModelProto):  # its parameters are the store's tensors, under the ONNX names
+            request = dataclasses.replace(request, model=OnnxModule(request.model, store.weights, store.layout.names))
+        self.request, self.store, self.desc = request, store, desc
+        self.precision = autograd_precision(
+            request.mixed_precision, request.mixed_precision_dtype, request.device.providers
+        )
+        self.trainable = {name: store.param_views[name] for name in store.layout.names}
+        self.frozen = dict(store.frozen)
+        self.first_inputs = dict(zip(desc.input_names, sample_inputs, strict=True))
+        self.cache = graph_cache_from_env(request.graph_cache)
+        self.constants: dict[str, torch.Tensor] = {}
+        self.label_specs: list[LabelSpec] = []
+        # the input dims model_desc names with a string: one graph serves every size of them (graph.autograd.
+        # _symbolic), unless the exporter cannot keep them symbolic (then one graph per shape, said once: `_Shapes`)
+        self.shapes = _Shapes({n: a for n, a in desc.dynamic_axes().items() if n in desc.input_names})
+
+    def graphs(self, feeds: Mapping[str, torch.Tensor] | None, training: bool) -> AutogradGraphs:
+        """The graphs for ``feeds`` (None: the first inputs): traced, then loaded from the cache under the trace's
+        key (`_exported`), else exported and stored."""
+        desc = self.desc
+        inputs = [self.first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
+        traced, model = self.shapes.trace_and_export(
+            lambda axes: self._trace(inputs, training, axes),
+            lambda traced: _exported(traced, self.cache, training, self.precision),
+        )
+        self._keep_constants(traced)
+        if feeds is None and training:
+            self.label_specs[:] = _label_specs(traced, desc)
+        return AutogradGraphs(model, traced.names(), dict(zip(desc.input_names, inputs, strict=True)))
+
+    def explain(self, feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
+        """A failed run (a label out of range...) explained by PyTorch on the same inputs, naming the input."""
+        inputs = [feeds.get(n, self.first_inputs[n]) for n in self.desc.input_names]
+        request = self.request
+        return explain_trace_failure(request.model, request.loss_fn, self.desc, inputs, RuntimeError(str(error)))
+
+    def session(self, first: AutogradGraphs) -> AutogradSession:
+        """The session over the store's buffers, opened on the first graphs; it asks `graphs` for the others."""
+        request, store = self.request, self.store
+        return AutogradSession(
+            self.graphs,
+            first,
+            self.trainable,
+            {name: store.grad_views[name] for name in store.layout.names},
+            store.padded_grads,
+            self.frozen,
+            self.constants,
+            list(self.desc.output_names),
+            request.device,
+            request.session_options,
+            request.shrink_arena,
+            explain=self.explain,
+            step_inputs=self.precision.extra_inputs(True),
+        )
+
+    def _trace(self, inputs: list[torch.Tensor], training: bool, axes: dict) -> TracedGraph:
+        request = self.request
+        return trace_graph(
+            request.model,
+            request.loss_fn,
+            self.desc,
+            self.trainable,
+            self.frozen,
+            inputs,
+            training=training,
+            precision=self.precision,
+            dynamic=axes,
+        )
+
+    def _keep_constants(self, traced: TracedGraph) -> None:
+        """The module's buffers the graph reads beside the state (bound to the store's, `_buffer_input`)."""
+        count = traced.state_count  # the state comes first (a cached graph's names then list its random inputs too)
+        for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
+            if name not in self.trainable and name not in self.frozen and name not in self.desc.input_names:
+                self.constants.setdefault(name, _buffer_input(self.store.buffers, name, value))
 
 
 def _label_specs(traced: TracedGraph, desc: ModelDescription) -> list[LabelSpec]:
@@ -278,30 +310,24 @@ def _cache_options(training: bool, precision: Precision) -> dict[str, object]:
 
 
 def _exported(traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision) -> onnx.ModelProto:
-    """The ONNX graph of ``traced``: from the cache when it holds this key (the finished graph's names come with it,
-    so the functionalising second trace, the export and its passes are skipped), else finished, exported and
-    stored."""
-    if cache is None:
-        return _export(traced)
-    key = cache.key(traced.fingerprint(), _cache_options(training, precision))
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(cache.building(key))
-        except OSError as error:  # a read-only or full cache folder must not stop training
-            _log.warning("graph cache %s unusable (%s): exporting without it", cache.directory, error)
-            return _export(traced)
-        model = cache.get(key)
-        metadata = {p.key: p.value for p in model.metadata_props} if model is not None else {}
-        if _METADATA in metadata:
-            traced.apply_metadata(metadata[_METADATA])
-            _log.info("graph cache: %s graph loaded from %s", "training" if training else "eval", cache.directory)
-            return model
-        model = _export(traced)
-        try:
-            cache.put(key, model)
-        except OSError as error:
-            _log.warning("graph cache %s: could not store the graph (%s)", cache.directory, error)
-        return model
+    """The ONNX graph of ``traced``: from the cache when it holds this key with the finished graph's names (so the
+    functionalising second trace, the export and its passes are skipped), else finished, exported and stored."""
+    model, hit = get_or_build(
+        cache, traced, _cache_options(training, precision), lambda: _export(traced), usable=_has_names
+    )
+    if hit:
+        traced.apply_metadata(_metadata(model)[_METADATA])
+        _log.info("graph cache: %s graph loaded from %s", "training" if training else "eval", cache.directory)
+    return model
+
+
+def _metadata(model: onnx.ModelProto) -> dict[str, str]:
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def _has_names(model: onnx.ModelProto) -> bool:
+    """Whether a cached graph carries the finished graph's names (`TracedGraph.metadata`) that bind it."""
+    return _METADATA in _metadata(model)
 
 
 def _export(traced: TracedGraph) -> onnx.ModelProto:

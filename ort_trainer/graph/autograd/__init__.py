@@ -26,12 +26,13 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
 * ``_labels``: `class_index_inputs`, the graph inputs that reach a cross-entropy / NLL loss as class indices (checked
   before a run: ONNX's gather would take a negative label from the end);
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions (a trace's
-  `TracedGraph.fingerprint`): a hit skips the export and its passes.
+  `TracedGraph.fingerprint`): a hit skips the export and its passes; `get_or_build`, the one way the trainer's
+  engine and ORTModule use it.
 """
 
 from __future__ import annotations
 
-from ._cache import GraphCache, graph_cache_from_env
+from ._cache import GraphCache, get_or_build, graph_cache_from_env
 from ._decompositions import training_decompositions
 from ._kernels import UnsupportedDtypeError, missing_kernel_error, output_dtype_error
 from ._labels import ClassIndexInput, class_index_inputs
@@ -60,6 +61,7 @@ __all__ = [
     "class_index_inputs",
     "collapse_layout_chains",
     "fold_zero_scatter_adds",
+    "get_or_build",
     "graph_cache_from_env",
     "graph_to_onnx",
     "lift_random_ops",

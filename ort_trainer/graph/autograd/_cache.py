@@ -1,10 +1,13 @@
 """`GraphCache`: exported training graphs on disk, so that a resume, a restarted job or the next rank
-builds in the time of a trace instead of an export.
+builds in the time of a trace instead of an export; `get_or_build`, the one way both doors use it (the trainer's
+autograd engine and ORTModule).
 
 Keyed by sha256 of everything that decides the graph: the traced aten code, input names, shapes and
 dtypes, constant values (`TracedGraph.fingerprint`), the build options, and the versions of torch,
-onnxscript, onnx, onnxruntime and ort_trainer; a changed model or library never reuses a stale graph.
-Files are written to a temporary name and renamed (a reader never sees half a file), one process builds
+onnxscript, onnx-ir, onnx, onnxruntime and ort_trainer; a changed model or library never reuses a stale graph.
+Files are written through the checkpoint package's file rules (``checkpoint.format.files``: a temporary name with
+the writer's host and pid, fsync, an atomic rename, the folder fsynced; temporary files of killed writers removed
+at the next write), so a reader never sees half a file, one process builds
 a given key while the others wait on an ``flock`` (released by the kernel if that process dies), a file
 that does not parse or does not verify is dropped and rebuilt, and the folder is kept under a size bound by
 deleting the least recently used files. Each file ends with sha256 of its key and its content (`_seal`), checked
@@ -25,14 +28,17 @@ import functools
 import hashlib
 import logging
 import os
-import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
-__all__ = ["GraphCache", "graph_cache_from_env"]
+if TYPE_CHECKING:
+    from ._trace import TracedGraph
+
+__all__ = ["GraphCache", "get_or_build", "graph_cache_from_env"]
 
 _log = logging.getLogger("ort_trainer")
 _SUFFIX = ".onnx"
@@ -122,17 +128,53 @@ class GraphCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
+    def get_or_build(
+        self,
+        key: str,
+        build: Callable[[], onnx.ModelProto],
+        usable: Callable[[onnx.ModelProto], bool] = lambda model: True,
+    ) -> tuple[onnx.ModelProto, bool]:
+        """The graph under ``key`` and whether it came from the cache: a verified, ``usable`` entry, else
+        ``build()``, stored. Other processes building the same key wait for this one (`building`). A folder that
+        cannot be used, or an entry that cannot be stored, is a warning: the graph is built without the cache."""
+        try:
+            lock = self.building(key)
+            lock.__enter__()
+        except OSError as error:  # a read-only or full cache folder must not stop training
+            _log.warning("graph cache %s unusable (%s): exporting without it", self.directory, error)
+            return build(), False
+        try:
+            model = self.get(key)
+            if model is not None and usable(model):
+                return model, True
+            model = build()
+            try:
+                self.put(key, model)
+            except OSError as error:
+                _log.warning("graph cache %s: could not store the graph (%s)", self.directory, error)
+            return model, False
+        finally:
+            lock.__exit__(None, None, None)
+
     def _write(self, path: Path, data: bytes) -> None:
-        """``data`` to ``path`` under a temporary name, then renamed: a reader never sees half a file. Created with
-        mode 0o666 less the umask, as any file the user creates (`tempfile.mkstemp`'s 0o600 would lock the rest of a
-        group out of a folder it shares with umask 002)."""
+        """``data`` to ``path`` by the checkpoint package's file rules: a temporary name that carries this host and
+        pid (`files.temp_path`), fsync, an atomic rename and the folder fsynced (`files.publish`); temporary files
+        of writers that were killed are removed first (`cleanup_temp_files`). Created with mode 0o666 less the
+        umask, as any file the user creates (`tempfile.mkstemp`'s 0o600 would lock the rest of a group out of a
+        folder it shares with umask 002)."""
+        from ort_trainer.checkpoint.format import cleanup_temp_files  # the checkpoint package: only when writing
+        from ort_trainer.checkpoint.format.files import publish, temp_path
+
         self.directory.mkdir(parents=True, exist_ok=True)
-        temp = self.directory / f".{path.stem[:16]}.{secrets.token_hex(8)}.tmp"
+        cleanup_temp_files(self.directory)
+        temp = temp_path(path)
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # O_EXCL: never a link
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
-            os.replace(temp, path)
+                handle.flush()
+                os.fsync(handle.fileno())
+            publish(temp, path, overwrite=True)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
@@ -178,6 +220,20 @@ _SEAL_SIZE = len(_seal("0" * 64, b""))
 
 def _is_key(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def get_or_build(
+    cache: GraphCache | None,
+    traced: TracedGraph,
+    options: Mapping[str, object],
+    build: Callable[[], onnx.ModelProto],
+    usable: Callable[[onnx.ModelProto], bool] = lambda model: True,
+) -> tuple[onnx.ModelProto, bool]:
+    """``traced``'s ONNX graph under build ``options`` and whether it came from ``cache`` (None: no cache, always
+    built): the trainer's autograd engine and ORTModule both ask for their graphs here (`GraphCache.get_or_build`)."""
+    if cache is None:
+        return build(), False
+    return cache.get_or_build(GraphCache.key(traced.fingerprint(), options), build, usable)
 
 
 def graph_cache_from_env(enabled: bool = True) -> GraphCache | None:

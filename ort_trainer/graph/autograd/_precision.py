@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["LOSS_SCALE_INPUT", "Precision"]
 
-LOSS_SCALE_INPUT = "loss_scale"  # the same name as the onnxblock engine's (`graph._mixed_precision`)
+LOSS_SCALE_INPUT = "loss_scale"  # the same name as the onnxblock engine's (`graph.onnxblock._mixed_precision`)
 _LOW = (torch.float16, torch.bfloat16)
 
 

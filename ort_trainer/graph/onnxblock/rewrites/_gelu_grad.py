@@ -12,7 +12,7 @@ training graph, writes (after adding the bias, for the ``Bias*`` variants):
 * tanh:  gelu(x) = x s, s = sigmoid(v), v = 2 k (x + c x^3)  (= 0.5 x (1 + tanh(v / 2)));
          d/dx = s + x s (1 - s) dv/dx, dv/dx = 2 k (1 + 3 c x^2), k = sqrt(2 / pi), c = 0.044715
 
-Both are the functions PyTorch differentiates (tests/graph/test_graph_gelu.py).
+Both are the functions PyTorch differentiates (tests/onnxblock/test_graph_gelu.py).
 """
 
 from __future__ import annotations
