@@ -77,7 +77,7 @@ class _Phases:
         from ort_trainer.engine.autograd import _build as _autograd_build
 
         self.after(_autograd_build, "trace_graph", "traced")
-        self.after(_autograd_build, "_exported", "exported")
+        self.after(_autograd_build, "exported_graph", "exported")
         self.after(_autograd_build, "AutogradSession", "session")
 
 

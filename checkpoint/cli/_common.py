@@ -23,10 +23,10 @@ from ..format.lazy_torch import is_tensor, is_torch_dtype, torch
 from ..sets import is_manifest
 
 __all__ = [
+    "ALL_KINDS",
     "EXIT_ERROR",
     "EXIT_FOUND",
     "EXIT_OK",
-    "ALL_KINDS",
     "OUR_KINDS",
     "PROG",
     "InputKind",

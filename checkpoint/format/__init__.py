@@ -28,11 +28,11 @@ from ._user_dict import decode_user_dict, decode_user_value, encode_user_dict, e
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEGACY_FORMAT_VERSION, PartitionInfo, TrainerOptionsRecord
 
 __all__ = [
-    "CheckpointReader",
-    "DatasetInfo",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "LEGACY_FORMAT_VERSION",
+    "CheckpointReader",
+    "DatasetInfo",
     "PartitionInfo",
     "TrainerOptionsRecord",
     "cleanup_temp_files",

@@ -32,7 +32,6 @@ from ._transfer import (
 
 __all__ = [
     "AsyncWriter",
-    "SaveScheduler",
     "FileRecord",
     "HostSnapshot",
     "LocalFile",
@@ -41,6 +40,7 @@ __all__ = [
     "RemoteLocation",
     "RemoteStore",
     "SaveHandle",
+    "SaveScheduler",
     "is_url",
     "local_inputs",
     "make_parent_folder",

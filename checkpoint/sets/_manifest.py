@@ -40,8 +40,8 @@ __all__ = [
     "manifest_path",
     "rank_checkpoint_path",
     "rank_file_name",
-    "split_suffix",
     "read_manifest",
+    "split_suffix",
     "write_manifest",
 ]
 

@@ -18,8 +18,6 @@ from ._torch_optim import load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = [
     "StateDictOptions",
-    "load_trainer_checkpoint",
-    "save_trainer_checkpoint",
     "_apply",
     "_validate",
     "check_input",
@@ -28,9 +26,11 @@ __all__ = [
     "eval_model_with_weights",
     "load_optimizer_state_dict",
     "load_stateful",
+    "load_trainer_checkpoint",
     "load_trainer_state_dict",
     "optimizer_state_dict",
     "own_rank_section",
     "resolve_options",
+    "save_trainer_checkpoint",
     "trainer_state_dict",
 ]

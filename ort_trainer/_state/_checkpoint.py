@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-from ort_trainer import checkpoint
+from ort_trainer.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointReader,
+    DatasetInfo,
+    aggregate_checkpoints,
+    decode_user_dict,
+    encode_user_dict,
+    open_checkpoint,
+)
 from ort_trainer.checkpoint import io as _io
 from ort_trainer.checkpoint.format import schema as S
 from ort_trainer.checkpoint.io import SaveScheduler, write_checkpoint
@@ -60,7 +68,7 @@ def save_trainer_checkpoint(
     if not include_optimizer_states:
         state.pop(S.OPTIMIZER_KEY, None)
     if user_dict:
-        state[S.USER_DICT_KEY] = checkpoint.encode_user_dict(user_dict)
+        state[S.USER_DICT_KEY] = encode_user_dict(user_dict)
     # interop: extra Stateful objects (sampler, EMA, ...), encoded before anything is written
     stored_stateful = encode_stateful(stateful)
     if stored_stateful is not None:
@@ -151,7 +159,7 @@ def _load_local(
     aggregated to the full state first."""
     if len(paths) > 1 or is_manifest(paths[0]):
         return _load_set(trainer, paths, strict=strict, allow_pickle=allow_pickle, stateful=stateful)
-    with checkpoint.open_checkpoint(paths[0]) as reader:
+    with open_checkpoint(paths[0]) as reader:
         if not _is_rank_file(reader, paths[0]):
             return _load_file(trainer, reader, strict=strict, allow_pickle=allow_pickle, stateful=stateful)
     return _load_set(trainer, paths, strict=strict, allow_pickle=allow_pickle, stateful=stateful)
@@ -160,7 +168,7 @@ def _load_local(
 def _load_set(
     trainer: TrainerState, paths: Sequence, *, strict: bool, allow_pickle: bool, stateful: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    full = checkpoint.aggregate_checkpoints(list(paths) if len(paths) > 1 else paths[0])
+    full = aggregate_checkpoints(list(paths) if len(paths) > 1 else paths[0])
     if isinstance(full.get(S.OBJECTS_KEY), Mapping):
         _refuse_objects(paths[0], full[S.OBJECTS_KEY])
     sections = _own_sections(trainer, full)
@@ -172,7 +180,7 @@ def _load_set(
 
 def _load_file(
     trainer: TrainerState,
-    reader: checkpoint.CheckpointReader,
+    reader: CheckpointReader,
     *,
     strict: bool,
     allow_pickle: bool,
@@ -222,7 +230,7 @@ def _refuse_objects(path: Any, objects: Mapping) -> None:
     )
 
 
-def _is_rank_file(reader: checkpoint.CheckpointReader, path: Any) -> bool:
+def _is_rank_file(reader: CheckpointReader, path: Any) -> bool:
     """One rank's file of a ZeRO (W > 1) or Megatron set: it loads through aggregation, not on its own."""
     if S.TRAINER_OPTIONS_KEY not in reader.keys():
         return False
@@ -238,7 +246,7 @@ def _topology_value(options: Any, key: str, default: int, path: Any) -> int:
     """One topology field of a file's ``trainer_options``, checked as the aggregation checks it."""
     value = S.as_scalar(options.get(key, default)) if isinstance(options, Mapping) else default
     if not isinstance(value, int) or isinstance(value, bool) or value < min(default, 1):
-        raise checkpoint.CheckpointCorruptError(
+        raise CheckpointCorruptError(
             f"{path}: invalid trainer_options: {key}: expected an int >= {min(default, 1)}, got {value!r}"
         )
     return value
@@ -247,10 +255,10 @@ def _topology_value(options: Any, key: str, default: int, path: Any) -> int:
 def _decode(tree: Any, allow_pickle: bool, source: Any) -> dict[str, Any]:
     if tree is None:
         return {}
-    return checkpoint.decode_user_dict(tree, allow_pickle=allow_pickle, source=str(source))
+    return decode_user_dict(tree, allow_pickle=allow_pickle, source=str(source))
 
 
-def _load_into_engine(trainer: TrainerState, reader: checkpoint.CheckpointReader, strict: bool) -> None:
+def _load_into_engine(trainer: TrainerState, reader: CheckpointReader, strict: bool) -> None:
     """Phase 1: a state whose big tensors are shape-only placeholders is fully validated.
     Phase 2: read the big tensors straight into the live buffers, then apply the rest."""
     keys = reader.keys()
@@ -277,7 +285,7 @@ def _load_into_engine(trainer: TrainerState, reader: checkpoint.CheckpointReader
     _apply(trainer, plan)
 
 
-def _optimizer_placeholders(reader: checkpoint.CheckpointReader) -> dict[str, Any]:
+def _optimizer_placeholders(reader: CheckpointReader) -> dict[str, Any]:
     """The optimizer tree with moments as placeholders and the small counters read for real."""
     tree: dict[str, Any] = {}
     for name, entries in reader.tree_info((S.OPTIMIZER_KEY,)).items():
@@ -286,14 +294,14 @@ def _optimizer_placeholders(reader: checkpoint.CheckpointReader) -> dict[str, An
             continue
         tree[name] = {
             key: torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-            if key in S.SHARDED_OPTIMIZER_KEYS and isinstance(meta, checkpoint.DatasetInfo)
+            if key in S.SHARDED_OPTIMIZER_KEYS and isinstance(meta, DatasetInfo)
             else reader.read((S.OPTIMIZER_KEY, name, key))
             for key, meta in entries.items()
         }
     return tree
 
 
-def _read_moments(reader: checkpoint.CheckpointReader, validated: dict, live: dict) -> dict:
+def _read_moments(reader: CheckpointReader, validated: dict, live: dict) -> dict:
     """Read every moment into the optimizer's live buffers; return what is left (the counters)."""
     rest: dict[str, Any] = {}
     for name, entry in validated.items():
@@ -306,13 +314,13 @@ def _read_moments(reader: checkpoint.CheckpointReader, validated: dict, live: di
     return rest
 
 
-def _placeholders(reader: checkpoint.CheckpointReader, prefix: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _placeholders(reader: CheckpointReader, prefix: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Shape/dtype stand-ins (meta tensors) for every tensor under ``prefix``, read without data."""
     info = reader.tree_info(prefix)
     return {name: torch.empty(meta.shape, dtype=meta.dtype, device="meta") for name, meta in info.items()}
 
 
-def _entries(reader: checkpoint.CheckpointReader, prefix: tuple[str, ...]) -> Any:
+def _entries(reader: CheckpointReader, prefix: tuple[str, ...]) -> Any:
     """Like `_placeholders`, for a group that may hold anything: arrays as meta tensors, small python values read,
     subgroups as their description (validation refuses what is not a tensor, naming its key)."""
     info = reader.tree_info(prefix)
@@ -320,7 +328,7 @@ def _entries(reader: checkpoint.CheckpointReader, prefix: tuple[str, ...]) -> An
         return reader.read(prefix)
     return {
         name: torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-        if isinstance(meta, checkpoint.DatasetInfo) and meta.is_array
+        if isinstance(meta, DatasetInfo) and meta.is_array
         else meta
         if isinstance(meta, Mapping)
         else reader.read((*prefix, name))
@@ -328,7 +336,7 @@ def _entries(reader: checkpoint.CheckpointReader, prefix: tuple[str, ...]) -> An
     }
 
 
-def _read_into(reader: checkpoint.CheckpointReader, key: tuple[str, ...], target: torch.Tensor) -> None:
+def _read_into(reader: CheckpointReader, key: tuple[str, ...], target: torch.Tensor) -> None:
     """Straight into ``target`` when layouts allow (CPU, contiguous, same dtype); else via a small copy."""
     if target.device.type == "cpu" and target.is_contiguous() and reader.tree_info(key).dtype == target.dtype:
         reader.read_into(key, target)

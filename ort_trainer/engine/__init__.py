@@ -40,9 +40,9 @@ from ._store import ParamStore, build_store
 from ._trainer_state import TrainerState
 
 __all__ = [
+    "ENGINES",
     "BuildRequest",
     "DistributedContext",
-    "ENGINES",
     "Engine",
     "GraphSource",
     "ModelParallel",

@@ -25,8 +25,8 @@ from ._shared_arena import use_shared_cpu_arena
 
 __all__ = [
     "DLPACK_ROUTE",
-    "DeviceSpec",
     "NO_GRADIENT_NODE_SUFFIX",
+    "DeviceSpec",
     "OutputBinding",
     "from_ortvalue",
     "quiet_native_info_logs",

@@ -200,3 +200,37 @@ def test_bad_inputs_are_named_with_pytorchs_own_words_before_and_after_the_build
         trainer.train_step(ids, torch.full_like(label, 10))  # a later step: ONNX Runtime fails, PyTorch explains
     state = trainer.state_dict(pytorch_format=True)
     assert all(torch.isfinite(v.float()).all() for v in state.values())
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"_internal_use": {"onnx_opset_version": 14}}, r"_internal_use\.onnx_opset_version=14"),
+        (
+            {"debug": {"graph_save_paths": {"model_after_graph_transforms_path": "forward.onnx"}}},
+            r"debug\.graph_save_paths\.model_after_graph_transforms_path",
+        ),
+    ],
+    ids=["opset", "forward-graph-dump"],
+)
+def test_an_option_the_autograd_engine_would_ignore_is_refused_at_construction(options, named, tmp_path):
+    """Its exporter chooses the opset and it has no onnxblock forward graph to dump: the option is refused by name
+    (GraphSource.check_supported), never silently dropped."""
+    if "debug" in options:
+        options["debug"]["graph_save_paths"]["model_after_graph_transforms_path"] = str(tmp_path / "forward.onnx")
+    with pytest.raises(ValueError, match=rf"autograd engine does not support {named}.*'engine': 'onnxblock'"):
+        ORTTrainer(
+            torch.nn.Linear(4, 2),
+            {"inputs": [("x", ["b", 4]), ("y", ["b"])], "outputs": [("loss", [], True)]},
+            optim.SGDConfig(lr=0.1),
+            loss_fn=ce,
+            options={"utils": {"engine": "autograd"}, **options},
+        )
+    assert not (tmp_path / "forward.onnx").exists()
+
+
+def test_the_default_opset_the_autograd_engine_accepts_is_the_options_default():
+    from ort_trainer.config.options import ORTTrainerOptions
+    from ort_trainer.engine.autograd import _build
+
+    assert ORTTrainerOptions({})._internal_use.onnx_opset_version == _build._DEFAULT_OPSET

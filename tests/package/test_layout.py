@@ -367,3 +367,32 @@ def test_every_module_of_a_room_is_named_in_its_init_docstring():
         if missing:
             unnamed.append(f"{path.relative_to(REPO)} does not name {missing}")
     assert not unnamed, "\n".join(unnamed)
+
+
+def _class_members(module: str, name: str) -> set[str]:
+    tree = ast.parse(_modules()[module].read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    members = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    members |= {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    return members | {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def test_every_session_implements_the_whole_step_session_protocol():
+    """`engine.StepSession` is declared once; every engine's session (and Megatron's) has each of its members, so
+    that the step, the binding check and the error explanation call them instead of probing with ``getattr``."""
+    declared = _class_members("ort_trainer.engine._protocols", "StepSession")
+    assert declared >= {"draws_randomness", "seed_step", "rebind_state", "run_train", "run_eval", "explain_failure"}
+    sessions = [
+        ("ort_trainer.engine.autograd._session", "AutogradSession"),
+        ("ort_trainer.engine.onnxblock._session", "TrainingSession"),
+        ("ort_trainer.parallel.runner", "ParallelSession"),
+    ]
+    missing = {name: sorted(declared - _class_members(module, name)) for module, name in sessions}
+    assert not any(missing.values()), missing
+    probes = []
+    for name, path in _modules().items():
+        if name.startswith(("ort_trainer.engine", "ort_trainer.diagnosis")):
+            text = path.read_text()
+            found = re.findall(r"getattr\([^)]*\"(\w+)\"", text)
+            probes += [f"{name}: {m}" for m in found if m in declared | {"group", "explained"}]
+    assert not probes, probes  # what the protocol replaced: draws_randomness, rebind_state, group, explained

@@ -50,7 +50,7 @@ from .._progress import BuildProgress
 from ._precision import autograd_precision, report_fallbacks
 from ._session import AutogradGraphs, AutogradSession
 
-__all__ = ["build_autograd_engine", "check_autograd_supported"]
+__all__ = ["build_autograd_engine", "check_autograd_supported", "exported_graph"]
 
 _log = logging.getLogger("ort_trainer")
 _ONNXBLOCK = "options={'utils': {'engine': 'onnxblock'}} (needs onnxruntime-training: docs/engines.md)"
@@ -155,12 +155,12 @@ class _GraphBuilder:
 
     def graphs(self, feeds: Mapping[str, torch.Tensor] | None, training: bool) -> AutogradGraphs:
         """The graphs for ``feeds`` (None: the first inputs): traced, then loaded from the cache under the trace's
-        key (`_exported`), else exported and stored."""
+        key (`exported_graph`), else exported and stored."""
         desc = self.desc
         inputs = [self.first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
         traced, model = self.shapes.trace_and_export(
             lambda axes: self._trace(inputs, training, axes),
-            lambda traced: _exported(traced, self.cache, training, self.precision),
+            lambda traced: exported_graph(traced, self.cache, training, self.precision),
         )
         self._keep_constants(traced)
         if feeds is None and training:
@@ -309,7 +309,9 @@ def _cache_options(training: bool, precision: Precision) -> dict[str, object]:
     return {"training": training, "opset": "exporter-default", **precision.cache_options()}
 
 
-def _exported(traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision) -> onnx.ModelProto:
+def exported_graph(
+    traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision
+) -> onnx.ModelProto:
     """The ONNX graph of ``traced``: from the cache when it holds this key with the finished graph's names (so the
     functionalising second trace, the export and its passes are skipped), else finished, exported and stored."""
     model, hit = get_or_build(

@@ -43,7 +43,9 @@ def _is_accumulator_flag(name: str) -> bool:
 
 
 class TrainingSession:
-    """Owns the ORT sessions and their bindings over the trainer's buffers."""
+    """Owns the ORT sessions and their bindings over the trainer's buffers (a `StepSession`)."""
+
+    draws_randomness: bool  # the training graph has Dropout: reseeded before every run (`engine._random`)
 
     def __init__(
         self,

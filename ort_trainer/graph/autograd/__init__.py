@@ -45,12 +45,12 @@ from ._to_onnx import graph_to_onnx
 from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, trace_graph
 
 __all__ = [
-    "ClassIndexInput",
     "DISABLED_ORT_OPTIMIZERS",
+    "LOSS_SCALE_INPUT",
+    "ClassIndexInput",
     "GraphCache",
     "GraphNames",
     "OnnxModule",
-    "LOSS_SCALE_INPUT",
     "Precision",
     "RandomInput",
     "SymbolicShapesError",

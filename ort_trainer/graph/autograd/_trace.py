@@ -309,16 +309,8 @@ def trace_graph(
         # inv_freq) enters as an input too, so that tracing never touches a real tensor of the module
         constants = {n: b for n, b in plain.named_buffers() if n not in known}
         names = [*trainable, *frozen, *constants]
-        clash = sorted(set(names) & set(desc.input_names))
-        if clash:
-            raise ValueError(f"model_desc inputs {clash} have the names of model state; rename the inputs")
         extra = precision.extra_inputs(training)
-        taken = sorted(set(extra) & (set(names) | set(desc.input_names)))
-        if taken:
-            raise ValueError(
-                f"mixed precision adds the graph input {taken[0]!r} (the loss scale), but the model already has an "
-                "input or state of that name; rename it"
-            )
+        _check_input_names(names, desc, extra)
         extra_values = [torch.ones((), dtype=torch.float32, device=_device_of(inputs, trainable)) for _ in extra]
         sample = (*trainable.values(), *frozen.values(), *constants.values(), *inputs, *extra_values)
         function, result = _graph_function(
@@ -353,6 +345,19 @@ def trace_graph(
         symbolic=symbolic,
         _pending=(what, [*frozen, *constants], training),  # every buffer the forward may write
     )
+
+
+def _check_input_names(names: list[str], desc: ModelDescription, extra: Sequence[str]) -> None:
+    """ValueError for a ``model_desc`` input, or the loss-scale input mixed precision adds, named as model state."""
+    clash = sorted(set(names) & set(desc.input_names))
+    if clash:
+        raise ValueError(f"model_desc inputs {clash} have the names of model state; rename the inputs")
+    taken = sorted(set(extra) & (set(names) | set(desc.input_names)))
+    if taken:
+        raise ValueError(
+            f"mixed precision adds the graph input {taken[0]!r} (the loss scale), but the model already has an "
+            "input or state of that name; rename it"
+        )
 
 
 def _graph_function(wrapper, desc: ModelDescription, state_names, training: bool, precision: Precision):

@@ -16,9 +16,9 @@ from onnx import TensorProto, helper
 __all__ = [
     "BatchNormStats",
     "add_optional_outputs",
-    "surface_batchnorm_statistics",
-    "strip_batchnorm_statistics",
     "initializer_names",
+    "strip_batchnorm_statistics",
+    "surface_batchnorm_statistics",
 ]
 
 # op type -> number of outputs the gradient builder expects to be declared.

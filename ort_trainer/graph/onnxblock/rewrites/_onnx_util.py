@@ -13,8 +13,8 @@ __all__ = [
     "int_attr",
     "replace_nodes",
     "str_attr",
-    "tensor_types",
     "tensor_shapes",
+    "tensor_types",
     "topological_sort",
     "unsqueeze",
 ]
