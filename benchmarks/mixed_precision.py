@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _child(args) -> None:
     sys.path.insert(0, str(REPO))
-    import ort_trainer.engine._build as build
     import ort_trainer.engine.autograd._precision as autograd_precision
+    import ort_trainer.engine.onnxblock._build as build
     from ort_trainer import ORTTrainer, optim
     from tests.models import LM_DESC, TinyLM, lm_batches, lm_loss
 

@@ -5,8 +5,8 @@ The core (this package's modules) holds what every engine shares:
 * ``_trainer_state``: ``TrainerState``, the one object a trainer's parts live in; ``_assembly``:
   ``assemble_trainer_state``, the constructor's work (options, refusals, process group, store) that fills it;
 * ``_store``: ``ParamStore``, the flat parameter / gradient / optimizer buffers (from construction on);
-* ``_protocols``: the seams: ``GraphSource`` (where graphs come from), ``StepSession`` (what every session
-  does for a step), ``ModelParallel``;
+* ``_protocols``: the seams: ``GraphSource`` (where graphs come from), ``ModelParallel``; ``_step_session``:
+  ``StepSession``, what every session does for a step;
 * ``_sources``: the registry of graph sources by name, ``choose_engine`` and ``build_engine``;
 * ``_build``: ``BuildRequest`` and ``Engine`` (what every source builds from and into);
 * ``_bindings``: ``BindingGuard``, before each step: rebind when the buffers' storage moved, refuse a shared
@@ -21,7 +21,7 @@ The wings, each imported only through the registry when it is chosen (docs/archi
 
 * ``autograd``: PyTorch's autograd exported for any onnxruntime (its graphs: ``graph.autograd``);
 * ``onnxblock``: onnxruntime-training's gradient builder (its graphs: ``graph.onnxblock``; Megatron:
-  ``ort_trainer.parallel``).
+  ``onnxblock.parallel``, public as ``ort_trainer.parallel``).
 
 ONNX Runtime plumbing (devices, DLPack, output binding, the shared arena, fork safety) is ``ort_trainer.runtime``.
 """
@@ -31,11 +31,12 @@ from __future__ import annotations
 from ._assembly import assemble_trainer_state
 from ._build import BuildRequest, Engine, session_options_for
 from ._distributed import DistributedContext, buckets, init_process_group
-from ._protocols import GraphSource, ModelParallel, ModelParallelFactory, StepSession
+from ._protocols import GraphSource, ModelParallel, ModelParallelFactory
 from ._random import agreed_run_seed
 from ._rank_check import note_load
 from ._sources import ENGINES, build_engine, choose_engine, graph_source, onnxblock_available
 from ._step import eval_step, train_step
+from ._step_session import StepSession
 from ._store import ParamStore, build_store
 from ._trainer_state import TrainerState
 

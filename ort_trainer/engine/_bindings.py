@@ -31,7 +31,7 @@ import torch
 
 from ort_trainer.graph import canonical_name
 
-from ._protocols import StepSession
+from ._step_session import StepSession
 
 __all__ = ["BindingGuard", "ModuleLinks", "link_module"]
 

@@ -23,7 +23,8 @@ from ort_trainer.diagnosis import LabelSpec
 from ort_trainer.graph import with_values
 from ort_trainer.runtime import DeviceSpec, use_shared_cpu_arena
 
-from ._protocols import ModelParallel, StepSession
+from ._protocols import ModelParallel
+from ._step_session import StepSession
 from ._store import ParamStore
 
 if TYPE_CHECKING:

@@ -1,11 +1,11 @@
-"""The engine's seams, as protocols: a graph source, the session it builds, and a model-parallel plan.
+"""The engine's seams, as protocols: a graph source and a model-parallel plan (the session they build:
+`_step_session.StepSession`).
 
 `GraphSource`: checks what it supports and builds the graphs and sessions of one trainer (each engine wing,
-``engine.autograd`` and ``engine.onnxblock``, has one; `_sources` keeps the registry). `StepSession`: what
-`_step`, `_bindings` and the trainer's state code ask of every session, so that none of them probes a session
-for what it may have. `ModelParallel`: what the engine asks of a model-parallel plan
-(``ort_trainer.parallel.HorizontalParallel`` implements it), and `ModelParallelFactory` how the assembly makes
-one (a graph source offers it), so that the engine names no class of a room above it.
+``engine.autograd`` and ``engine.onnxblock``, has one; `_sources` keeps the registry). `ModelParallel`: what the
+engine asks of a model-parallel plan (``ort_trainer.parallel.HorizontalParallel`` implements it), and
+`ModelParallelFactory` how the assembly makes one (a graph source offers it), so that the engine names no class
+of a wing or a room above it.
 """
 
 from __future__ import annotations
@@ -19,40 +19,10 @@ if TYPE_CHECKING:
     import onnx
 
     from ._build import BuildRequest, Engine
+    from ._step_session import StepSession
     from ._store import ParamStore
 
-__all__ = ["GraphSource", "ModelParallel", "ModelParallelFactory", "StepSession"]
-
-
-class StepSession(Protocol):
-    """The graphs of one trainer in ONNX Runtime, bound once to the `ParamStore`'s buffers."""
-
-    # whether a training run draws random numbers (Dropout) that `seed_step` must seed before it
-    draws_randomness: bool
-
-    def seed_step(self, seed: int) -> None:
-        """Seed the random draws of the next training run (a function of run seed, rank and step: `_random`)."""
-        ...
-
-    def rebind_state(self) -> None:
-        """Bind the state and gradient buffers again: their storage moved in place (`_bindings`)."""
-        ...
-
-    def run_train(self, inputs: Mapping[str, torch.Tensor], reset_grad: bool) -> dict[str, torch.Tensor]:
-        """One forward + backward; gradients overwrite the buffers (``reset_grad``) or are added to them."""
-        ...
-
-    def run_eval(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One forward of the eval graph; the ``model_desc`` outputs it computes."""
-        ...
-
-    def eval_graph(self) -> onnx.ModelProto:
-        """A copy of the eval graph with the state as inputs, runnable by any onnxruntime (``save_as_onnx``)."""
-        ...
-
-    def explain_failure(self, inputs: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
-        """A failed run explained in the user's terms (naming the input at fault), or None."""
-        ...
+__all__ = ["GraphSource", "ModelParallel", "ModelParallelFactory"]
 
 
 class GraphSource(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ort_trainer.engine._build as build
+import ort_trainer.engine.onnxblock._build as build
 from ort_trainer import ORTTrainer, amp, optim
 from tests.models import LM_DESC, MLP, MLP_DESC, TinyLM, lm_batches, lm_loss, mlp_batches
 

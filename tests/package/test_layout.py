@@ -380,12 +380,12 @@ def _class_members(module: str, name: str) -> set[str]:
 def test_every_session_implements_the_whole_step_session_protocol():
     """`engine.StepSession` is declared once; every engine's session (and Megatron's) has each of its members, so
     that the step, the binding check and the error explanation call them instead of probing with ``getattr``."""
-    declared = _class_members("ort_trainer.engine._protocols", "StepSession")
+    declared = _class_members("ort_trainer.engine._step_session", "StepSession")
     assert declared >= {"draws_randomness", "seed_step", "rebind_state", "run_train", "run_eval", "explain_failure"}
     sessions = [
         ("ort_trainer.engine.autograd._session", "AutogradSession"),
         ("ort_trainer.engine.onnxblock._session", "TrainingSession"),
-        ("ort_trainer.parallel.runner", "ParallelSession"),
+        ("ort_trainer.engine.onnxblock.parallel.runner", "ParallelSession"),
     ]
     missing = {name: sorted(declared - _class_members(module, name)) for module, name in sessions}
     assert not any(missing.values()), missing

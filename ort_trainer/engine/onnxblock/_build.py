@@ -6,7 +6,7 @@ at construction (the graph uses a subset of them: unused parameters are never up
 carry the state as shapes only (`graph._weightless`): the values are in the store, nowhere else.
 Each phase is logged with its duration (`engine._progress`); the eval session is created on the first
 eval step (`_session`). With Megatron (``horizontal_parallel_size > 1``), the plan's segment sessions
-(`ort_trainer.parallel`) take the training session's place.
+(`parallel`) take the training session's place.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _prepare_forward(request: BuildRequest, forward: onnx.ModelProto, graph_name
 
 
 def _horizontal_engine(request, forward, trainable, frozen, sample_inputs, unused, label_specs) -> Engine:
-    """Megatron: the graph cut into segments with collectives between them (ort_trainer.parallel)."""
+    """Megatron: the graph cut into segments with collectives between them (`parallel`)."""
     store = request.store
     store.optimizer.set_idle([name for name in store.layout.names if name not in set(trainable)])
     session = request.horizontal.build_session(forward, trainable, sorted(frozen), store, request)

@@ -29,7 +29,7 @@ class _OnnxblockSource:
             )
 
     def model_parallel(self) -> ModelParallelFactory:
-        from ort_trainer.parallel import HorizontalParallel  # Megatron: loaded only when asked for
+        from .parallel import HorizontalParallel  # Megatron: loaded only when asked for
 
         return HorizontalParallel
 

@@ -1,6 +1,6 @@
 """The onnxblock engine's graphs: the TorchScript export and the forward graph onnxruntime-training differentiates.
 
-Half of the onnxblock wing (its engine side: ``engine.onnxblock``; Megatron's segments: ``ort_trainer.parallel``).
+Half of the onnxblock wing (its engine side: ``engine.onnxblock``; Megatron's segments: ``engine.onnxblock.parallel``).
 Nothing outside the wing imports it.
 
 * ``_export``: TorchScript export of the module (with the loss) and the ONNX-name <-> torch-name map;
