@@ -16,7 +16,14 @@ import onnx
 import torch
 
 from ort_trainer.engine import TrainerState, exported_graph
-from ort_trainer.graph.autograd import OnnxModule, Precision, TracedGraph, graph_cache_from_env, trace_graph
+from ort_trainer.graph.autograd import (
+    OnnxModule,
+    Precision,
+    SymbolicShapesError,
+    TracedGraph,
+    graph_cache_from_env,
+    trace_graph,
+)
 
 __all__ = ["ExportedGraph", "export_graphs"]
 
@@ -45,7 +52,14 @@ def export_graphs(state: TrainerState, inputs: Sequence[torch.Tensor]) -> tuple[
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = exported_graph(traced, cache, training, Precision())
+            try:
+                exported = exported_graph(traced, cache, training, Precision())
+            except SymbolicShapesError as error:
+                raise ValueError(
+                    f"export_training: the {'training' if training else 'eval'} graph cannot keep the dims "
+                    f"{sorted({d for a in axes.values() for d in a.values()})} symbolic ({error}); a training "
+                    "artifact is one graph for every size of them"
+                ) from error
         kept = {label for dims in traced.dynamic.values() for label in dims.values()}
         static = sorted({label for dims in axes.values() for label in dims.values()} - kept)
         if static:
