@@ -13,7 +13,8 @@ Rooms (docs/architecture.md has the floor plan): ``trainer`` (``ORTTrainer``, th
 ``train_step_info`` (``TrainStepInfo``), ``config`` (options, model description), ``graph`` (torch module ->
 training graph), ``diagnosis`` (failures in the user's terms), ``engine`` (running the graphs, ``TrainerState``),
 ``_state`` (state dicts and checkpoints in and out), ``parallel`` (Megatron), ``module`` (``ORTModule``, the
-torch.compile backend), ``hf`` (the Hugging Face ``Trainer``), ``_package`` (import-time setup).
+torch.compile backend), ``hf`` (the Hugging Face ``Trainer``), ``export`` (training artifacts for any ONNX
+Runtime: docs/anywhere.md), ``_package`` (import-time setup).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
     from ._state import StateDictOptions
     from .config import ORTTrainerOptions
     from .engine import init_process_group
+    from .export import ArtifactRunner, export_training, load_training_state
     from .module import ORTModule
     from .train_step_info import TrainStepInfo
     from .trainer import ORTTrainer
 
 __all__ = [
+    "ArtifactRunner",
     "ORTModule",
     "ORTTrainer",
     "ORTTrainerOptions",
@@ -43,7 +46,9 @@ __all__ = [
     "TrainStepInfo",
     "amp",
     "checkpoint",
+    "export_training",
     "init_process_group",
+    "load_training_state",
     "optim",
 ]
 __version__ = "0.1.0"
@@ -55,6 +60,9 @@ _LAZY = {
     "StateDictOptions": "._state",
     "TrainStepInfo": ".train_step_info",
     "init_process_group": ".engine",
+    "ArtifactRunner": ".export",
+    "export_training": ".export",
+    "load_training_state": ".export",
 }
 _SUBPACKAGES = ("amp", "checkpoint", "optim")
 
