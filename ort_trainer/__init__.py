@@ -15,7 +15,8 @@ training graph), ``diagnosis`` (failures in the user's terms), ``engine`` (runni
 its wings ``engine.autograd`` and ``engine.onnxblock``), ``runtime`` (ONNX Runtime plumbing: devices, DLPack,
 output binding, the shared arena, fork safety, native logs), ``_state`` (state dicts and checkpoints in and
 out), ``parallel`` (Megatron, with the onnxblock wing), ``module`` (``ORTModule``, the torch.compile backend),
-``hf`` (the Hugging Face ``Trainer``), ``_package`` (import-time setup).
+``hf`` (the Hugging Face ``Trainer``), ``export`` (training artifacts for any ONNX Runtime: docs/anywhere.md),
+``_package`` (import-time setup).
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
     from ._state import StateDictOptions
     from .config import ORTTrainerOptions
     from .engine import init_process_group
+    from .export import ArtifactRunner, export_training, load_training_state
     from .module import ORTModule
     from .train_step_info import TrainStepInfo
     from .trainer import ORTTrainer
 
 __all__ = [
+    "ArtifactRunner",
     "ORTModule",
     "ORTTrainer",
     "ORTTrainerOptions",
@@ -45,7 +48,9 @@ __all__ = [
     "TrainStepInfo",
     "amp",
     "checkpoint",
+    "export_training",
     "init_process_group",
+    "load_training_state",
     "optim",
 ]
 __version__ = "0.1.0"
@@ -57,6 +62,9 @@ _LAZY = {
     "StateDictOptions": "._state",
     "TrainStepInfo": ".train_step_info",
     "init_process_group": ".engine",
+    "ArtifactRunner": ".export",
+    "export_training": ".export",
+    "load_training_state": ".export",
 }
 _SUBPACKAGES = ("amp", "checkpoint", "optim")
 

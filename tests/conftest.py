@@ -84,6 +84,14 @@ SLOW_TESTS = frozenset(
         "interop/test_interop_distributed.py::test_full_state_user_dicts_and_broadcast_from_rank0",  # 11 s
         "checkpoint/test_checkpoint_crafted.py::test_sound_files_pass_every_reader",  # 11 s
         "trainer/test_backward_attributes.py::test_cross_entropy_attributes_give_torchs_gradients",  # 11 s
+        # training artifacts (docs/anywhere.md): tiny GPT-2 exports (~40 s cold, 120-170 s at load 8-10 on 2
+        # workers); the main suite keeps the MLP for every optimizer, the round trips and the bad inputs
+        "export/test_artifact_numbers.py::test_tiny_gpt2_artifact_trains_as_the_trainer_with_adamw",
+        "export/test_artifact_numbers.py::test_tiny_gpt2_artifact_trains_as_the_trainer_with_every_optimizer",
+        "export/test_artifact_numbers.py::test_dropout_draws_are_graph_inputs_and_the_trainer_s_masks_give_its_numbers",
+        "export/test_artifact_round_trip.py::test_a_plain_torch_module_loads_the_trained_state_tied_weights_included",
+        "package/test_benchmark_anywhere.py::"
+        "test_anywhere_benchmark_times_both_contenders_and_keeps_the_artifact_for_other_runtimes",  # 44 s
         "engine/test_graph_cache.py::test_the_same_graph_is_loaded_and_any_change_is_a_new_entry",  # 11 s
         "package/test_docs.py::test_blocks_marked_processes_run_on_two_ranks",  # 10 s
         # 10 s
@@ -137,8 +145,8 @@ LATEST_TESTS = frozenset(
         "trainer/test_trainer_state.py::test_legacy_checkpoint_loads_into_equivalent_trainer",
         "trainer/test_trainer_state.py::test_pytorch_format_loads_into_original_module_strictly",
         "hf/test_numerics.py::test_training_equals_transformers_trainer[cosine-clip-log2]",
-        "zoo/test_zoo.py::test_the_architecture_trains_like_torch[gpt2-autograd]",
-        "zoo/test_zoo.py::test_the_architecture_trains_like_torch[bert-autograd]",
+        "zoo/test_zoo.py::test_one_symbolic_graph_trains_like_torch_at_every_shape[gpt2]",
+        "zoo/test_zoo.py::test_one_symbolic_graph_trains_like_torch_at_every_shape[bert]",
         "zoo/test_zoo.py::test_a_custom_adamw_loop_over_the_wrapped_architecture_equals_eager[llama-ortmodule]",
         "package/test_samples.py::test_train_lm_sample_learns_and_writes_the_loss_curve",
         "package/test_versions.py",

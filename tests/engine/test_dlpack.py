@@ -1,4 +1,4 @@
-"""Torch <-> OrtValue without copies on the installed runtime (`engine._dlpack`).
+"""Torch <-> OrtValue without copies on the installed runtime (`runtime._dlpack`).
 
 The same tests run on both routes: ``make test`` (onnxruntime 1.31.1) and ``make test-onnxblock`` (1.19.2) take the
 legacy one, ``make test-latest`` (the newest release the declared range admits, 1.32+) the public one.

@@ -1,6 +1,6 @@
 """A child forked from a process that trains frees its inherited trainer without hanging (stock onnxruntime 1.31:
 freeing an ONNX Runtime session in a fork child blocked forever in ``pthread_cond_destroy`` on the parent's
-thread-pool state; `engine._fork_safety` keeps inherited sessions alive in the child instead).
+thread-pool state; `runtime._fork_safety` keeps inherited sessions alive in the child instead).
 
 This child leaves through ``os._exit``; children that exit normally (``sys.exit``, where ONNX Runtime's C++
 static destructors blocked the same way) are tests/engine/test_fork_exit.py."""

@@ -287,12 +287,14 @@ def test_trainer_package_shows_its_parts_and_imports_go_one_way():
 
 
 # Each engine is a wing: its graph half, its engine half (build, session, source) and what only it runs. The
-# registry (`engine._sources`) names a wing's module as a string; ORTModule (`module/`) reuses the autograd wing.
+# registry (`engine._sources`) names a wing's module as a string; ORTModule (`module/`) and the training-artifact
+# exporter (`export/`) reuse the autograd wing; `ort_trainer.parallel` is the public door of the onnxblock wing's
+# Megatron names.
 WINGS = {
     "autograd": ("ort_trainer.engine.autograd", "ort_trainer.graph.autograd"),
     "onnxblock": ("ort_trainer.engine.onnxblock", "ort_trainer.graph.onnxblock", "ort_trainer.parallel"),
 }
-WING_GUESTS = {"autograd": ("ort_trainer.module",), "onnxblock": ()}
+WING_GUESTS = {"autograd": ("ort_trainer.module", "ort_trainer.export"), "onnxblock": ()}
 
 
 def _in(module: str, packages: tuple[str, ...]) -> bool:

@@ -312,8 +312,9 @@ def _cache_options(training: bool, precision: Precision) -> dict[str, object]:
 def exported_graph(
     traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision
 ) -> onnx.ModelProto:
-    """The ONNX graph of ``traced``: from the cache when it holds this key with the finished graph's names (so the
-    functionalising second trace, the export and its passes are skipped), else finished, exported and stored."""
+    """The ONNX graph of ``traced`` (what ``export_training`` writes too): from the cache when it holds this key with
+    the finished graph's names (so the functionalising second trace, the export and its passes are skipped), else
+    finished, exported and stored."""
     model, hit = get_or_build(
         cache, traced, _cache_options(training, precision), lambda: _export(traced), usable=_has_names
     )

@@ -42,11 +42,14 @@ from ._precision import LOSS_SCALE_INPUT, Precision
 from ._random import RandomInput, lift_random_ops
 from ._symbolic import broken_guard, random_shape, signature_shape
 from ._to_onnx import graph_to_onnx
-from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, trace_graph
+from ._trace import GRAD_SUFFIX, UPDATED_SUFFIX, GraphNames, SymbolicShapesError, TracedGraph, TraceError, trace_graph
 
 __all__ = [
     "DISABLED_ORT_OPTIMIZERS",
+    "GRAD_SUFFIX",
     "LOSS_SCALE_INPUT",
+    "UPDATED_SUFFIX",
+    "ClassIndexInput",
     "ClassIndexInput",
     "GraphCache",
     "GraphNames",
