@@ -1,0 +1,40 @@
+#!/usr/bin/env node
+// Run a training plan (plan.js) on an artifact in onnxruntime-web inside headless Chromium:
+//   node run-browser.mjs ARTIFACT PLAN_DIR OUT_DIR [--threads N] [--state FILE] [--seed N]
+// serves the page, the driver, onnxruntime-web and the two folders on 127.0.0.1 only, and writes
+// OUT_DIR/result.json ({losses, step_ms, eval_loss, step, runtime, browser}) and OUT_DIR/state.safetensors.
+
+import {writeFile} from 'node:fs/promises';
+import {basename, dirname, join} from 'node:path';
+import {fileURLToPath} from 'node:url';
+import {parseArgs} from 'node:util';
+
+import {launch} from './chromium.mjs';
+import {serve} from './static-server.mjs';
+
+const {values, positionals} = parseArgs({
+  allowPositionals: true,
+  options: {threads: {type: 'string', default: '1'}, state: {type: 'string'}, seed: {type: 'string', default: '0'}},
+});
+const [artifact, planDir, outDir] = positionals;
+if (!outDir) throw new Error('usage: run-browser.mjs ARTIFACT PLAN_DIR OUT_DIR [--threads N] [--state FILE] [--seed N]');
+const js = dirname(dirname(fileURLToPath(import.meta.url)));
+const roots = {
+  '/ort/': join(js, 'node_modules', 'onnxruntime-web', 'dist'),
+  '/js/src/': join(js, 'src'), '/js/tools/': join(js, 'tools'),
+  '/artifact/': artifact, '/plan/': planDir,
+};
+if (values.state) roots['/state/'] = dirname(values.state);
+const server = await serve(roots);
+const chromium = await launch();
+try {
+  await chromium.page.goto(`${server.origin}/js/tools/harness.html`);
+  await chromium.page.waitForFunction(() => typeof window.runPlanInPage === 'function');
+  const options = {threads: Number(values.threads), seed: Number(values.seed), state: values.state && basename(values.state)};
+  const {state, ...result} = await chromium.page.evaluate((o) => window.runPlanInPage(o), options);
+  await writeFile(join(outDir, 'state.safetensors'), Buffer.from(state, 'base64'));
+  await writeFile(join(outDir, 'result.json'), JSON.stringify({...result, browser: await chromium.browser.version()}));
+} finally {
+  await chromium.close();
+  await server.close();
+}

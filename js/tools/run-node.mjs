@@ -1,0 +1,32 @@
+#!/usr/bin/env node
+// Run a training plan (plan.js) on an artifact in onnxruntime-node:
+//   node run-node.mjs ARTIFACT PLAN_DIR OUT_DIR [--threads N] [--state FILE] [--seed N]
+// writes OUT_DIR/result.json ({losses, step_ms, eval_loss, step}) and OUT_DIR/state.safetensors.
+
+import {readFile, writeFile} from 'node:fs/promises';
+import {join} from 'node:path';
+import {parseArgs} from 'node:util';
+
+import * as ort from 'onnxruntime-node';
+
+import {loadArtifact, readSafetensors, saveState} from '../src/node.js';
+import {batchesOf, runPlan} from './plan.js';
+
+const {values, positionals} = parseArgs({
+  allowPositionals: true,
+  options: {threads: {type: 'string', default: '1'}, state: {type: 'string'}, seed: {type: 'string', default: '0'}},
+});
+const [artifact, planDir, outDir] = positionals;
+if (!outDir) throw new Error('usage: run-node.mjs ARTIFACT PLAN_DIR OUT_DIR [--threads N] [--state FILE] [--seed N]');
+const threads = Number(values.threads);
+const trainer = await loadArtifact(ort, artifact, {
+  state: values.state,
+  seed: Number(values.seed),
+  sessionOptions: {intraOpNumThreads: threads, interOpNumThreads: 1, executionMode: 'sequential'},
+});
+const plan = JSON.parse(await readFile(join(planDir, 'plan.json'), 'utf8'));
+const {tensors} = readSafetensors(await readFile(join(planDir, 'batches.safetensors')), 'batches.safetensors');
+const result = await runPlan(trainer, plan, batchesOf(tensors));
+await saveState(trainer, join(outDir, 'state.safetensors'));
+await writeFile(join(outDir, 'result.json'), JSON.stringify({...result, runtime: `onnxruntime-node ${ort.env.versions.node}`}));
+await trainer.release();
