@@ -31,11 +31,13 @@ if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
     from ._state import StateDictOptions
     from .config import ORTTrainerOptions
     from .engine import init_process_group
+    from .export import ArtifactRunner, export_training, load_training_state
     from .module import ORTModule
     from .train_step_info import TrainStepInfo
     from .trainer import ORTTrainer
 
 __all__ = [
+    "ArtifactRunner",
     "ORTModule",
     "ORTTrainer",
     "ORTTrainerOptions",
@@ -43,7 +45,9 @@ __all__ = [
     "TrainStepInfo",
     "amp",
     "checkpoint",
+    "export_training",
     "init_process_group",
+    "load_training_state",
     "optim",
 ]
 __version__ = "0.1.0"
@@ -55,6 +59,9 @@ _LAZY = {
     "StateDictOptions": "._state",
     "TrainStepInfo": ".train_step_info",
     "init_process_group": ".engine",
+    "ArtifactRunner": ".export",
+    "export_training": ".export",
+    "load_training_state": ".export",
 }
 _SUBPACKAGES = ("amp", "checkpoint", "optim")
 

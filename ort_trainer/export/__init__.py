@@ -1,0 +1,23 @@
+"""Training artifacts: one self-contained training step for any ONNX Runtime (docs/anywhere.md).
+
+``export_training`` writes a folder that Python onnxruntime, onnxruntime-node and onnxruntime-web can train with
+(no onnxruntime-training): the training-step graph (forward, backward, clipping, optimizer update), the eval graph,
+the state in safetensors and a manifest. ``load_training_state`` reads a state a driver saved back, for
+``ORTTrainer`` or a plain PyTorch module.
+
+* ``_graphs``: the autograd engine's training and eval graphs of a trainer's model, symbolic dims kept;
+* ``_builder`` / ``_updates`` / ``_step_graph``: clipping and the optimizer updates as standard ONNX ops, appended
+  to the training graph;
+* ``_manifest`` / ``_state_file``: the manifest and the state file, written and checked;
+* ``_export``: `export_training`;
+* ``_driver``: `ArtifactRunner`, the reference driver in Python onnxruntime;
+* ``_load``: `load_training_state`, `TrainingState`, the way back into ``ORTTrainer`` and torch.
+"""
+
+from __future__ import annotations
+
+from ._driver import ArtifactRunner
+from ._errors import ArtifactError
+from ._export import export_training
+
+__all__ = ["ArtifactError", "ArtifactRunner", "export_training"]
