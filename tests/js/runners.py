@@ -1,6 +1,6 @@
 """The JS driver from the tests' side: write a training plan (js/tools/plan.js: plan.json and
 batches.safetensors), run it on an artifact in onnxruntime-node or in headless Chromium (js/tools/run-*.mjs), and
-the same plan in Python onnxruntime, following manifest.json as the JS driver does (the reference)."""
+the same plan in Python onnxruntime through ``ort_trainer.ArtifactRunner`` (the reference driver)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from safetensors.numpy import load_file, save_file
 
+from ort_trainer import ArtifactRunner
 from tests.paths import REPO
 
 JS = REPO / "js"
@@ -56,47 +56,32 @@ def run_js(
     return json.loads((out / "result.json").read_text()), load_file(str(out / "state.safetensors"))
 
 
-class PythonDriver:
-    """manifest.json followed in Python onnxruntime (1 thread), as the JS driver follows it."""
+def run_python(
+    artifact: Path, batches: list[dict], lrs: list[float], eval_batch: dict | None, state: Path | None = None
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """The plan in Python onnxruntime (1 thread) through ``ort_trainer.ArtifactRunner``, the reference driver;
+    returns what `run_js` returns (the random inputs of a batch fed as its draws)."""
+    runner = ArtifactRunner(artifact, threads=1, state=state)
+    random = {e["name"] for e in runner.manifest["random"]}
+    losses = []
+    for batch, lr in zip(batches, lrs, strict=True):
+        draws = {n: v for n, v in batch.items() if n in random} or None
+        losses.append(runner.train_step({n: v for n, v in batch.items() if n not in random}, lr, random=draws))
+    evaluated = None if eval_batch is None else float(runner.eval_step(eval_batch)["loss"])
+    return {"losses": losses, "eval_loss": evaluated, "step": runner.step}, dict(runner.state)
 
-    def __init__(self, artifact: Path, state: Path | None = None):
-        self.manifest = json.loads((artifact / "manifest.json").read_text())
-        files = self.manifest["files"]
-        self.state = load_file(str(state or artifact / files["state"]))
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        self.train = ort.InferenceSession(str(artifact / files["train"]), options, providers=["CPUExecutionProvider"])
-        self.eval = ort.InferenceSession(str(artifact / files["eval"]), options, providers=["CPUExecutionProvider"])
-        from safetensors import safe_open
 
-        with safe_open(str(state or artifact / files["state"]), "np") as f:
-            self.step = int((f.metadata() or {}).get("step", self.manifest["step"]))
-
-    def _feeds(self, names: list[str], batch: dict[str, np.ndarray], scalars: dict) -> dict:
-        return {n: self.state[n] if n in self.state else scalars[n] if n in scalars else batch[n] for n in names}
-
-    def train_step(self, batch: dict[str, np.ndarray], lr: float) -> float:
-        train = self.manifest["train"]
-        scalars = {"lr": np.array(lr, np.float32), "step": np.array(self.step + 1, np.int64)}
-        outputs = dict(
-            zip(
-                [o.name for o in self.train.get_outputs()],
-                self.train.run(None, self._feeds(train["inputs"], batch, scalars)),
-                strict=True,
-            )
-        )
-        for name, output in train["updated"].items():
-            self.state[name] = outputs[output]
-        self.step += 1
-        return float(outputs[train["loss"]])
-
-    def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
-        names = self.manifest["eval"]["inputs"]
-        outputs = self.eval.run(None, self._feeds(names, batch, {}))
-        return float(dict(zip([o.name for o in self.eval.get_outputs()], outputs, strict=True))["loss"])
-
-    def run_plan(self, batches: list[dict], lrs: list[float], eval_batch: dict | None) -> dict:
-        losses = [self.train_step(b, lr) for b, lr in zip(batches, lrs, strict=True)]
-        evaluated = None if eval_batch is None else self.eval_loss(eval_batch)
-        return {"losses": losses, "eval_loss": evaluated, "step": self.step}
+def compare(result: dict, state: dict, reference: dict, reference_state: dict, tolerance: float) -> float:
+    """Assert a JS run equal to the reference run within ``tolerance``: step count, every loss, the eval loss and
+    every state tensor (names, dtypes, shapes, values); returns the largest difference seen."""
+    assert result["step"] == reference["step"]
+    losses = np.array(result["losses"])
+    assert losses.shape == (len(reference["losses"]),) and np.all(np.isfinite(losses)), losses
+    worst = float(np.abs(losses - reference["losses"]).max())
+    worst = max(worst, abs(result["eval_loss"] - reference["eval_loss"]))
+    assert set(state) == set(reference_state)
+    for name, value in reference_state.items():
+        assert state[name].dtype == value.dtype and state[name].shape == value.shape, name
+        worst = max(worst, float(np.abs(state[name].astype(np.float64) - value).max()))
+    assert worst <= tolerance, f"largest difference {worst} > {tolerance}"
+    return worst
