@@ -27,6 +27,9 @@ export async function launch() {
   const page = await browser.newPage();
   page.on('console', (message) => process.stderr.write(`page: ${message.text()}\n`));
   page.on('pageerror', (error) => process.stderr.write(`page error: ${error.message}\n`));
+  page.on('response', (response) => {
+    if (response.status() >= 400) process.stderr.write(`page: HTTP ${response.status()} for ${response.url()}\n`);
+  });
   const close = async () => {
     await browser.close();
     await rm(profile, {recursive: true, force: true});

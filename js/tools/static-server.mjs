@@ -18,9 +18,12 @@ const TYPES = {
  * @returns {Promise<{origin: string, close: () => Promise<void>}>}
  */
 export async function serve(roots) {
-  const mounts = Object.entries(roots).map(([prefix, folder]) => [prefix, resolve(folder)]);
+  // the longest prefix first: a folder can be mounted inside another's URL space
+  const mounts = Object.entries(roots).map(([prefix, folder]) => [prefix, resolve(folder)])
+    .sort((a, b) => b[0].length - a[0].length);
   const server = createServer(async (request, response) => {
-    const path = decodeURIComponent(new URL(request.url, 'http://127.0.0.1').pathname);
+    let path = decodeURIComponent(new URL(request.url, 'http://127.0.0.1').pathname);
+    if (path.endsWith('/')) path += 'index.html';
     const mount = mounts.find(([prefix]) => path.startsWith(prefix));
     const file = mount && resolve(mount[1], `.${sep}${path.slice(mount[0].length)}`);
     // cross-origin isolation: lets onnxruntime-web use SharedArrayBuffer (threads) when asked for more than one
