@@ -1,10 +1,12 @@
-"""``ort-trainer-ckpt convert``: checkpoint <-> PyTorch state dict (``.pt``) or ``.safetensors``.
+"""``ort-trainer-ckpt convert``: checkpoint <-> ``.pt`` or ``.safetensors`` state dict; training state -> checkpoint.
 
 Checkpoint (ours, legacy, or a manifest's set) -> ``{name: tensor}`` of ``model/full_precision`` and
 ``model/buffers`` (plus ``optimizer/<name>/<key>`` tensors with ``--optimizer``). The reverse turns a flat
 state dict into a weights-only checkpoint: ``model/full_precision/<name>`` (integer tensors in
 ``model/buffers``), default ``trainer_options`` and zeroed ``train_step_info``. ``.pt`` files are read with
-``torch.load(weights_only=True)`` only.
+``torch.load(weights_only=True)`` only. A training artifact's folder or state file (docs/anywhere.md: a state a
+driver trained in Node or a browser) becomes a whole checkpoint: weights, buffers, moments and update count, which
+``ORTTrainer.load_checkpoint`` resumes from.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "flatten",
     "read_state_dict",
     "run_convert",
+    "run_convert_training_state",
     "strip_prefix",
     "weights_only_tree",
     "write_tensors",
@@ -269,7 +272,12 @@ def _safetensors() -> Any:
 def add_command(sub: argparse._SubParsersAction, command) -> None:
     """Register ``convert`` on the CLI's subparsers."""
     p = command(sub, "convert", _run, "checkpoint -> .pt/.safetensors state dict, or a state dict -> checkpoint")
-    p.add_argument("input", type=path_or_url, metavar="IN", help="checkpoint, manifest, .pt or .safetensors file")
+    p.add_argument(
+        "input",
+        type=path_or_url,
+        metavar="IN",
+        help="checkpoint, manifest, .pt or .safetensors file, or a training artifact's folder (docs/anywhere.md)",
+    )
     p.add_argument(
         "-o", "--output", type=path_or_url, required=True, metavar="OUT", help="output; its suffix picks the format"
     )
@@ -281,8 +289,43 @@ def add_command(sub: argparse._SubParsersAction, command) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
 
+def run_convert_training_state(source: Path, target: Path, *, optimizer_name: str, overwrite: bool) -> str:
+    """A training artifact's state (its folder, or a state file alone: ``optimizer_name`` then says whose moments it
+    holds) -> a checkpoint of weights, buffers, optimizer state and update count."""
+    from ort_trainer.export._load import load_training_state
+
+    if output_kind(target) != "checkpoint":
+        raise CheckpointFormatError(
+            f"{source} is a training artifact's state: convert it to a checkpoint (e.g. .ortcp)"
+        )
+    try:
+        state = load_training_state(source, optimizer=None if source.is_dir() else optimizer_name)
+    except ValueError as error:  # ArtifactError: a bad file, said by name
+        raise CheckpointFormatError(str(error)) from None
+    save(state.trainer_state_dict(), target, overwrite=overwrite)
+    return (
+        f"wrote {target}: {len(state.weights) + len(state.buffers)} model tensors, {state.optimizer} state of "
+        f"{len(state.moments)} parameters, update count {state.step}, from {source}"
+    )
+
+
+def _training_state(path: Any) -> bool:
+    if not isinstance(path, Path):
+        return False
+    from ort_trainer.export._load import is_training_state
+
+    return is_training_state(path)
+
+
 def _run(args: argparse.Namespace) -> int:
     check_output(args.output, args.overwrite)
+    if _training_state(args.input):
+        print(
+            run_convert_training_state(
+                args.input, args.output, optimizer_name=args.optimizer_name, overwrite=args.overwrite
+            )
+        )
+        return EXIT_OK
     summary = run_convert(
         args.input,
         args.output,

@@ -27,7 +27,7 @@
 from __future__ import annotations
 
 from ._assembly import assemble_trainer_state
-from ._autograd_build import check_autograd_supported
+from ._autograd_build import check_autograd_supported, exported_graph
 from ._build import BuildRequest, Engine, session_options_for
 from ._distributed import DistributedContext, buckets, init_process_group
 from ._dlpack import DLPACK_ROUTE, from_ortvalue, to_ortvalue
@@ -61,6 +61,7 @@ __all__ = [
     "build_engine",
     "build_store",
     "check_autograd_supported",
+    "exported_graph",
     "choose_engine",
     "eval_step",
     "from_ortvalue",

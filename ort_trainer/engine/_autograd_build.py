@@ -49,7 +49,7 @@ from ._build import BuildRequest, Engine, engine_for, save_debug_graph
 from ._memory import release_freed_memory
 from ._progress import BuildProgress
 
-__all__ = ["build_autograd_engine", "check_autograd_onnx_model", "check_autograd_supported"]
+__all__ = ["build_autograd_engine", "check_autograd_onnx_model", "check_autograd_supported", "exported_graph"]
 
 _log = logging.getLogger("ort_trainer")
 _ONNXBLOCK = "options={'utils': {'engine': 'onnxblock'}} (needs onnxruntime-training: docs/engines.md)"
@@ -105,7 +105,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
 
     def build(feeds: Mapping[str, torch.Tensor] | None, training: bool) -> AutogradGraphs:
         """The graphs for ``feeds`` (None: the first inputs): traced, then loaded from the cache under the trace's
-        key (`_exported`), else exported and stored."""
+        key (`exported_graph`), else exported and stored."""
         inputs = [first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
         traced, model = shapes.trace_and_export(
             lambda axes: trace_graph(
@@ -119,7 +119,7 @@ def build_autograd_engine(request: BuildRequest, sample_inputs: Sequence[torch.T
                 precision=precision,
                 dynamic=axes,
             ),
-            lambda traced: _exported(traced, cache, training, precision),
+            lambda traced: exported_graph(traced, cache, training, precision),
         )
         count = traced.state_count  # the state comes first (a cached graph's names then list its random inputs too)
         for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
@@ -276,10 +276,12 @@ def _cache_options(training: bool, precision: Precision) -> dict[str, object]:
     return {"training": training, "opset": "exporter-default", **precision.cache_options()}
 
 
-def _exported(traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision) -> onnx.ModelProto:
-    """The ONNX graph of ``traced``: from the cache when it holds this key (the finished graph's names come with it,
-    so the functionalising second trace, the export and its passes are skipped), else finished, exported and
-    stored."""
+def exported_graph(
+    traced: TracedGraph, cache: GraphCache | None, training: bool, precision: Precision
+) -> onnx.ModelProto:
+    """The ONNX graph of ``traced`` (what ``export_training`` writes too): from the cache when it holds this key
+    (the finished graph's names come with it, so the functionalising second trace, the export and its passes are
+    skipped), else finished, exported and stored."""
     if cache is None:
         return _export(traced)
     key = cache.key(traced.fingerprint(), _cache_options(training, precision))

@@ -16,8 +16,34 @@ the state in safetensors and a manifest. ``load_training_state`` reads a state a
 
 from __future__ import annotations
 
-from ._driver import ArtifactRunner
-from ._errors import ArtifactError
-from ._export import export_training
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ArtifactError", "ArtifactRunner", "export_training"]
+if TYPE_CHECKING:
+    from ._driver import ArtifactRunner
+    from ._errors import ArtifactError
+    from ._export import export_training
+    from ._load import TrainingState, load_training_state
+
+__all__ = ["ArtifactError", "ArtifactRunner", "TrainingState", "export_training", "load_training_state"]
+
+# imported on first use: the checkpoint command line reads artifact states (`_load`) without torch or onnx
+_LAZY = {
+    "ArtifactError": "._errors",
+    "ArtifactRunner": "._driver",
+    "TrainingState": "._load",
+    "export_training": "._export",
+    "load_training_state": "._load",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ort_trainer.export' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

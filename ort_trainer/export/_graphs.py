@@ -2,7 +2,8 @@
 
 The same trace and export as ``ORTTrainer``'s autograd engine (`engine._autograd_build`): forward + backward
 traced by PyTorch (`graph.autograd.trace_graph`), exported to standard ONNX ops with the ``model_desc`` dims kept
-symbolic, random draws (Dropout) lifted to graph inputs. Nothing of the trainer's session is built.
+symbolic, random draws (Dropout) lifted to graph inputs, through the same graph cache. Nothing of the trainer's
+session is built.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 import onnx
 import torch
 
-from ort_trainer.engine import TrainerState
-from ort_trainer.graph.autograd import OnnxModule, TracedGraph, graph_to_onnx, trace_graph
+from ort_trainer.engine import TrainerState, exported_graph
+from ort_trainer.graph.autograd import OnnxModule, Precision, TracedGraph, graph_cache_from_env, trace_graph
 
 __all__ = ["ExportedGraph", "export_graphs"]
 
@@ -36,6 +37,7 @@ def export_graphs(state: TrainerState, inputs: Sequence[torch.Tensor]) -> tuple[
     trainable = {name: store.param_views[name] for name in store.layout.names}
     frozen = dict(store.frozen)
     axes = {n: a for n, a in desc.dynamic_axes().items() if n in desc.input_names}
+    cache = graph_cache_from_env(state.options.utils.graph_cache)  # the trainer's cache: one export for both
     graphs = []
     for training in (True, False):
         traced = trace_graph(
@@ -43,14 +45,14 @@ def export_graphs(state: TrainerState, inputs: Sequence[torch.Tensor]) -> tuple[
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            traced.finish()
-            exported = graph_to_onnx(traced)
-        static = sorted({d.name for d in traced.specialised})
+            exported = exported_graph(traced, cache, training, Precision())
+        kept = {label for dims in traced.dynamic.values() for label in dims.values()}
+        static = sorted({label for dims in axes.values() for label in dims.values()} - kept)
         if static:
             raise ValueError(
-                f"the model's code makes the dims {static} static (at {traced.specialised[0].where}); a training "
-                "artifact is one graph for every size of the dims model_desc names: name only the dims the model "
-                "keeps free, or give them as ints in model_desc"
+                f"the model's code makes the dims {static} static; a training artifact is one graph for every size of "
+                "the dims model_desc names: give those dims as ints in model_desc (the ORTTrainer warning names the "
+                "line that fixes them)"
             )
         graphs.append(ExportedGraph(exported, traced))
     return graphs[0], graphs[1]
