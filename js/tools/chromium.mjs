@@ -1,7 +1,7 @@
 // Headless Chromium for the tests and benchmarks: Debian's /usr/bin/chromium (or CHROMIUM) driven by
 // puppeteer-core, a new empty profile each launch, no network beyond the page's own server.
 
-import {mkdtemp, rm} from 'node:fs/promises';
+import {mkdtemp, readFile, readdir, rm} from 'node:fs/promises';
 import {tmpdir} from 'node:os';
 import {join} from 'node:path';
 
@@ -35,4 +35,38 @@ export async function launch() {
     await rm(profile, {recursive: true, force: true});
   };
   return {browser, page, close};
+}
+
+/**
+ * CPU time (user + system, ms) of Chromium's renderer processes, from /proc: the processes below `browserPid`
+ * whose command line says --type=renderer. null where /proc cannot tell (not Linux).
+ * @param {number} browserPid  browser.process().pid
+ * @returns {Promise<number|null>}
+ */
+export async function rendererCpuMs(browserPid) {
+  const stats = new Map();
+  let entries;
+  try {
+    entries = await readdir('/proc');
+  } catch {
+    return null;
+  }
+  for (const entry of entries.filter((e) => /^[0-9]+$/.test(e))) {
+    const text = await readFile(`/proc/${entry}/stat`, 'utf8').catch(() => null);
+    if (!text) continue;
+    // fields after the command's closing parenthesis: state ppid ... utime(14) stime(15), in clock ticks
+    const fields = text.slice(text.lastIndexOf(')') + 2).split(' ');
+    stats.set(Number(entry), {ppid: Number(fields[1]), ticks: Number(fields[11]) + Number(fields[12])});
+  }
+  const below = (pid) => {
+    for (let p = pid, hops = 0; p > 1 && hops < 16; p = stats.get(p)?.ppid ?? 0, hops++) if (p === browserPid) return true;
+    return false;
+  };
+  let ticks = 0;
+  for (const [pid, stat] of stats) {
+    if (pid === browserPid || !below(pid)) continue;
+    const cmdline = await readFile(`/proc/${pid}/cmdline`, 'utf8').catch(() => '');
+    if (cmdline.includes('--type=renderer')) ticks += stat.ticks;
+  }
+  return ticks * 10; // USER_HZ is 100 on Linux
 }

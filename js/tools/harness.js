@@ -20,7 +20,10 @@ window.runPlanInPage = async ({threads, seed, state}) => {
   });
   const plan = await (await fetch('/plan/plan.json')).json();
   const bytes = new Uint8Array(await (await fetch('/plan/batches.safetensors')).arrayBuffer());
-  const result = await runPlan(trainer, plan, batchesOf(readSafetensors(bytes, 'batches.safetensors').tensors));
+  // the renderer's CPU time, where run-browser.mjs could expose it (Linux /proc)
+  const cpuMs = typeof window.rendererCpuMs === 'function' ? () => window.rendererCpuMs() : undefined;
+  const batches = batchesOf(readSafetensors(bytes, 'batches.safetensors').tensors);
+  const result = await runPlan(trainer, plan, batches, cpuMs);
   const saved = trainer.stateBytes();
   await trainer.release();
   return {...result, runtime: `onnxruntime-web ${ort.env.versions.web} (wasm, ${threads} thread)`, state: base64(saved)};

@@ -30,20 +30,26 @@ export function batchesOf(tensors) {
  * @param {import('../src/trainer.js').ArtifactTrainer} trainer
  * @param {{steps: {lr: number, batch: string}[], eval?: string}} plan
  * @param {Map<string, object>} batches  from batchesOf
- * @returns {Promise<{losses: number[], step_ms: number[], eval_loss: number|null, step: number}>}
+ * @param {() => number|Promise<number>} [cpuMs]  CPU time in ms of the process that computes (node:
+ *   process.cpuUsage; a page: its renderer's, read from /proc by run-browser.mjs)
+ * @returns {Promise<{losses: number[], step_ms: number[], step_cpu_ms: number[]|null, eval_loss: number|null,
+ *   step: number}>}
  */
-export async function runPlan(trainer, plan, batches) {
+export async function runPlan(trainer, plan, batches, cpuMs = undefined) {
   const batch = (key) => {
     if (!batches.has(key)) throw new ArtifactError(`plan names batch ${JSON.stringify(key)}, which batches.safetensors lacks`);
     return batches.get(key);
   };
   const losses = [];
   const stepMs = [];
+  const stepCpuMs = [];
   for (const {lr, batch: key} of plan.steps) {
     const feeds = batch(key);
+    const cpu = await cpuMs?.();
     const start = performance.now();
     const {loss} = await trainer.trainStep(feeds, {lr});
     stepMs.push(performance.now() - start);
+    if (cpuMs) stepCpuMs.push((await cpuMs()) - cpu);
     losses.push(loss);
   }
   let evalLoss = null;
@@ -52,5 +58,5 @@ export async function runPlan(trainer, plan, batches) {
     const inputs = Object.fromEntries(trainer.manifest.eval.inputs.filter((n) => n in all).map((n) => [n, all[n]]));
     evalLoss = (await trainer.evalStep(inputs)).loss ?? null;
   }
-  return {losses, step_ms: stepMs, eval_loss: evalLoss, step: trainer.step};
+  return {losses, step_ms: stepMs, step_cpu_ms: cpuMs ? stepCpuMs : null, eval_loss: evalLoss, step: trainer.step};
 }

@@ -9,7 +9,7 @@ import {basename, dirname, join} from 'node:path';
 import {fileURLToPath} from 'node:url';
 import {parseArgs} from 'node:util';
 
-import {launch} from './chromium.mjs';
+import {launch, rendererCpuMs} from './chromium.mjs';
 import {serve} from './static-server.mjs';
 
 const {values, positionals} = parseArgs({
@@ -28,6 +28,10 @@ if (values.state) roots['/state/'] = dirname(values.state);
 const server = await serve(roots);
 const chromium = await launch();
 try {
+  const browserPid = chromium.browser.process().pid;
+  if ((await rendererCpuMs(browserPid)) !== null) {
+    await chromium.page.exposeFunction('rendererCpuMs', () => rendererCpuMs(browserPid));
+  }
   await chromium.page.goto(`${server.origin}/js/tools/harness.html`);
   await chromium.page.waitForFunction(() => typeof window.runPlanInPage === 'function');
   const options = {threads: Number(values.threads), seed: Number(values.seed), state: values.state && basename(values.state)};

@@ -26,7 +26,11 @@ const trainer = await loadArtifact(ort, artifact, {
 });
 const plan = JSON.parse(await readFile(join(planDir, 'plan.json'), 'utf8'));
 const {tensors} = readSafetensors(await readFile(join(planDir, 'batches.safetensors')), 'batches.safetensors');
-const result = await runPlan(trainer, plan, batchesOf(tensors));
+const cpuMs = () => {
+  const {user, system} = process.cpuUsage();
+  return (user + system) / 1000;
+};
+const result = await runPlan(trainer, plan, batchesOf(tensors), cpuMs);
 await saveState(trainer, join(outDir, 'state.safetensors'));
 await writeFile(join(outDir, 'result.json'), JSON.stringify({...result, runtime: `onnxruntime-node ${ort.env.versions.node}`}));
 await trainer.release();

@@ -1,59 +1,16 @@
-"""The JS driver from the tests' side: write a training plan (js/tools/plan.js: plan.json and
-batches.safetensors), run it on an artifact in onnxruntime-node or in headless Chromium (js/tools/run-*.mjs), and
-the same plan in Python onnxruntime through ``ort_trainer.ArtifactRunner`` (the reference driver)."""
+"""The JS driver from the tests' side: plans written and run in node or headless Chromium (`benchmarks._js`), the same
+plan in Python onnxruntime through ``ort_trainer.ArtifactRunner`` (the reference driver), and the comparison."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
+from benchmarks._js import JS, NODE_TOOLS, run_js, write_plan
 from ort_trainer import ArtifactRunner
-from tests.paths import REPO
 
-JS = REPO / "js"
-NODE_TOOLS = JS / "tools"
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-
-
-def write_plan(folder: Path, batches: list[dict[str, np.ndarray]], lrs: list[float], eval_batch: dict | None) -> Path:
-    """One batch per step (random inputs included where the plan feeds its own draws) and the eval batch."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {f"{i}/{name}": np.ascontiguousarray(v) for i, b in enumerate(batches) for name, v in b.items()}
-    plan: dict = {"steps": [{"lr": lr, "batch": str(i)} for i, lr in enumerate(lrs)]}
-    if eval_batch is not None:
-        tensors.update({f"e/{name}": np.ascontiguousarray(v) for name, v in eval_batch.items()})
-        plan["eval"] = "e"
-    save_file(tensors, str(folder / "batches.safetensors"))
-    (folder / "plan.json").write_text(json.dumps(plan))
-    return folder
-
-
-def run_js(
-    runtime: str,
-    artifact: Path,
-    plan: Path,
-    out: Path,
-    state: Path | None = None,
-    seed: int = 0,
-    timeout: float = 300,
-) -> tuple[dict, dict[str, np.ndarray]]:
-    """Run the plan in ``runtime`` ("node" or "browser"), the driver's draws seeded with ``seed``; returns
-    (result.json's dict, the saved state's tensors)."""
-    out.mkdir(parents=True, exist_ok=True)
-    command = ["node", str(NODE_TOOLS / f"run-{runtime}.mjs"), str(artifact), str(plan), str(out), "--seed", str(seed)]
-    if state is not None:
-        command += ["--state", str(state)]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env={**os.environ, "CHROMIUM": CHROMIUM}
-    )
-    if done.returncode != 0:
-        raise AssertionError(f"{runtime} run failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    return json.loads((out / "result.json").read_text()), load_file(str(out / "state.safetensors"))
+__all__ = ["JS", "NODE_TOOLS", "compare", "run_js", "run_python", "write_plan"]
 
 
 def run_python(
