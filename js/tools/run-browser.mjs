@@ -7,24 +7,19 @@
 import {writeFile} from 'node:fs/promises';
 import {basename, dirname, join} from 'node:path';
 import {fileURLToPath} from 'node:url';
-import {parseArgs} from 'node:util';
 
+import {planArgs} from './args.mjs';
 import {launch, rendererCpuMs} from './chromium.mjs';
 import {serve} from './static-server.mjs';
 
-const {values, positionals} = parseArgs({
-  allowPositionals: true,
-  options: {threads: {type: 'string', default: '1'}, state: {type: 'string'}, seed: {type: 'string', default: '0'}},
-});
-const [artifact, planDir, outDir] = positionals;
-if (!outDir) throw new Error('usage: run-browser.mjs ARTIFACT PLAN_DIR OUT_DIR [--threads N] [--state FILE] [--seed N]');
+const {artifact, planDir, outDir, threads, state, seed} = planArgs('run-browser.mjs');
 const js = dirname(dirname(fileURLToPath(import.meta.url)));
 const roots = {
   '/ort/': join(js, 'node_modules', 'onnxruntime-web', 'dist'),
   '/js/src/': join(js, 'src'), '/js/tools/': join(js, 'tools'),
   '/artifact/': artifact, '/plan/': planDir,
 };
-if (values.state) roots['/state/'] = dirname(values.state);
+if (state) roots['/state/'] = dirname(state);
 const server = await serve(roots);
 const chromium = await launch();
 try {
@@ -34,9 +29,9 @@ try {
   }
   await chromium.page.goto(`${server.origin}/js/tools/harness.html`);
   await chromium.page.waitForFunction(() => typeof window.runPlanInPage === 'function');
-  const options = {threads: Number(values.threads), seed: Number(values.seed), state: values.state && basename(values.state)};
-  const {state, ...result} = await chromium.page.evaluate((o) => window.runPlanInPage(o), options);
-  await writeFile(join(outDir, 'state.safetensors'), Buffer.from(state, 'base64'));
+  const options = {threads, seed, state: state && basename(state)};
+  const {state: saved, ...result} = await chromium.page.evaluate((o) => window.runPlanInPage(o), options);
+  await writeFile(join(outDir, 'state.safetensors'), Buffer.from(saved, 'base64'));
   await writeFile(join(outDir, 'result.json'), JSON.stringify({...result, browser: await chromium.browser.version()}));
 } finally {
   await chromium.close();

@@ -5,23 +5,17 @@
 
 import {readFile, writeFile} from 'node:fs/promises';
 import {join} from 'node:path';
-import {parseArgs} from 'node:util';
 
 import * as ort from 'onnxruntime-node';
 
 import {loadArtifact, readSafetensors, saveState} from '../src/node.js';
+import {planArgs} from './args.mjs';
 import {batchesOf, runPlan} from './plan.js';
 
-const {values, positionals} = parseArgs({
-  allowPositionals: true,
-  options: {threads: {type: 'string', default: '1'}, state: {type: 'string'}, seed: {type: 'string', default: '0'}},
-});
-const [artifact, planDir, outDir] = positionals;
-if (!outDir) throw new Error('usage: run-node.mjs ARTIFACT PLAN_DIR OUT_DIR [--threads N] [--state FILE] [--seed N]');
-const threads = Number(values.threads);
+const {artifact, planDir, outDir, threads, state, seed} = planArgs('run-node.mjs');
 const trainer = await loadArtifact(ort, artifact, {
-  state: values.state,
-  seed: Number(values.seed),
+  state,
+  seed,
   sessionOptions: {intraOpNumThreads: threads, interOpNumThreads: 1, executionMode: 'sequential'},
 });
 const plan = JSON.parse(await readFile(join(planDir, 'plan.json'), 'utf8'));
