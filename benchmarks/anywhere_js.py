@@ -15,7 +15,9 @@ whole state and takes every updated tensor back, as a user's loop does.
 Reported per runtime: the median wall ms of the steps after the first ``--warmup`` (the first run of a session
 allocates), the median CPU ms of the process that computes (Python: ``time.process_time``; node:
 ``process.cpuUsage``; the browser: its renderer processes' utime + stime from /proc, 10 ms ticks), the ratios to
-Python's medians, and the largest loss difference to Python over the plan (node bit-equal, wasm within ~1e-5).
+Python's medians, the peak RSS of node's process and of the browser's renderer (its wasm heap: capped at 4 GiB;
+Python's is not shown: its process exported the model too), and the largest loss difference to Python over the
+plan (node bit-equal, wasm within ~1e-5).
 The host stamp (`_common.host_stamp`) heads the table: on a loaded machine read the CPU ratios, not the walls.
 """
 
@@ -117,6 +119,7 @@ def measure(name: str, steps: int, warmup: int, runtimes: tuple[str, ...], work:
             "max_loss_difference": None
             if reference is None
             else float(np.abs(np.array(result["losses"]) - reference).max()),
+            "peak_rss_mib": result.get("peak_rss_mib"),
             "step_ms": result["step_ms"],
         }
     return {"model": name, "summary": spec.summary, "parameters": parameters, "steps": steps, "runtimes": summary}
@@ -125,8 +128,8 @@ def measure(name: str, steps: int, warmup: int, runtimes: tuple[str, ...], work:
 def table(report: list[dict]) -> str:
     lines = [
         "| model | parameters | runtime | median ms / step (wall) | median CPU ms | x Python (wall) "
-        "| x Python (CPU) | max loss diff |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| x Python (CPU) | peak RSS MiB | max loss diff |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in report:
         python = entry["runtimes"].get("python", {})
@@ -135,9 +138,10 @@ def table(report: list[dict]) -> str:
             cpu = f"{r['cpu_ms']:.1f}" if r["cpu_ms"] is not None else "-"
             cpu_ratio = f"{r['cpu_ms'] / python['cpu_ms']:.2f}" if python and r["cpu_ms"] else "-"
             diff = f"{r['max_loss_difference']:.1e}" if r["max_loss_difference"] is not None else "-"
+            rss = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "-"
             lines.append(
                 f"| {entry['model']} | {entry['parameters'] / 1e6:.2f}M | {r['runtime']} | {r['wall_ms']:.1f} | "
-                f"{cpu} | {ratio} | {cpu_ratio} | {diff} |"
+                f"{cpu} | {ratio} | {cpu_ratio} | {rss} | {diff} |"
             )
     return "\n".join(lines)
 

@@ -44,6 +44,29 @@ export async function launch() {
  * @returns {Promise<number|null>}
  */
 export async function rendererCpuMs(browserPid) {
+  const renderers = await rendererStats(browserPid);
+  return renderers && renderers.reduce((ms, r) => ms + r.ticks * 10, 0); // USER_HZ is 100 on Linux
+}
+
+/**
+ * The peak resident memory (VmHWM, MiB) of Chromium's largest renderer process: what a page's wasm heap costs.
+ * @param {number} browserPid
+ * @returns {Promise<number|null>}
+ */
+export async function rendererPeakMiB(browserPid) {
+  const renderers = await rendererStats(browserPid);
+  if (!renderers) return null;
+  let peak = 0;
+  for (const {pid} of renderers) {
+    const status = await readFile(`/proc/${pid}/status`, 'utf8').catch(() => '');
+    const kb = Number(/^VmHWM:\s+(\d+) kB/m.exec(status)?.[1] ?? 0);
+    peak = Math.max(peak, kb / 1024);
+  }
+  return peak;
+}
+
+// [{pid, ticks}] of the renderer processes below browserPid (ticks: utime + stime), null without /proc
+async function rendererStats(browserPid) {
   const stats = new Map();
   let entries;
   try {
@@ -62,11 +85,11 @@ export async function rendererCpuMs(browserPid) {
     for (let p = pid, hops = 0; p > 1 && hops < 16; p = stats.get(p)?.ppid ?? 0, hops++) if (p === browserPid) return true;
     return false;
   };
-  let ticks = 0;
+  const renderers = [];
   for (const [pid, stat] of stats) {
     if (pid === browserPid || !below(pid)) continue;
     const cmdline = await readFile(`/proc/${pid}/cmdline`, 'utf8').catch(() => '');
-    if (cmdline.includes('--type=renderer')) ticks += stat.ticks;
+    if (cmdline.includes('--type=renderer')) renderers.push({pid, ticks: stat.ticks});
   }
-  return ticks * 10; // USER_HZ is 100 on Linux
+  return renderers;
 }

@@ -2,14 +2,15 @@
 // Run a training plan (plan.js) on an artifact in onnxruntime-web inside headless Chromium:
 //   node run-browser.mjs ARTIFACT PLAN_DIR OUT_DIR [--threads N] [--state FILE] [--seed N]
 // serves the page, the driver, onnxruntime-web and the two folders on 127.0.0.1 only, and writes
-// OUT_DIR/result.json ({losses, step_ms, eval_loss, step, runtime, browser}) and OUT_DIR/state.safetensors.
+// OUT_DIR/result.json ({losses, step_ms, step_cpu_ms, eval_loss, step, runtime, browser, peak_rss_mib: the
+// renderer's}) and OUT_DIR/state.safetensors.
 
 import {writeFile} from 'node:fs/promises';
 import {basename, dirname, join} from 'node:path';
 import {fileURLToPath} from 'node:url';
 
 import {planArgs} from './args.mjs';
-import {launch, rendererCpuMs} from './chromium.mjs';
+import {launch, rendererCpuMs, rendererPeakMiB} from './chromium.mjs';
 import {serve} from './static-server.mjs';
 
 const {artifact, planDir, outDir, threads, state, seed} = planArgs('run-browser.mjs');
@@ -32,7 +33,9 @@ try {
   const options = {threads, seed, state: state && basename(state)};
   const {state: saved, ...result} = await chromium.page.evaluate((o) => window.runPlanInPage(o), options);
   await writeFile(join(outDir, 'state.safetensors'), Buffer.from(saved, 'base64'));
-  await writeFile(join(outDir, 'result.json'), JSON.stringify({...result, browser: await chromium.browser.version()}));
+  const peak = await rendererPeakMiB(browserPid);
+  await writeFile(join(outDir, 'result.json'),
+    JSON.stringify({...result, peak_rss_mib: peak, browser: await chromium.browser.version()}));
 } finally {
   await chromium.close();
   await server.close();

@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 // Run a training plan (plan.js) on an artifact in onnxruntime-node:
 //   node run-node.mjs ARTIFACT PLAN_DIR OUT_DIR [--threads N] [--state FILE] [--seed N]
-// writes OUT_DIR/result.json ({losses, step_ms, eval_loss, step}) and OUT_DIR/state.safetensors.
+// writes OUT_DIR/result.json ({losses, step_ms, step_cpu_ms, eval_loss, step, runtime, peak_rss_mib}) and
+// OUT_DIR/state.safetensors.
 
 import {readFile, writeFile} from 'node:fs/promises';
 import {join} from 'node:path';
@@ -26,5 +27,7 @@ const cpuMs = () => {
 };
 const result = await runPlan(trainer, plan, batchesOf(tensors), cpuMs);
 await saveState(trainer, join(outDir, 'state.safetensors'));
-await writeFile(join(outDir, 'result.json'), JSON.stringify({...result, runtime: `onnxruntime-node ${ort.env.versions.node}`}));
+const peak = process.resourceUsage().maxRSS / 1024; // KiB -> MiB
+await writeFile(join(outDir, 'result.json'),
+  JSON.stringify({...result, peak_rss_mib: peak, runtime: `onnxruntime-node ${ort.env.versions.node}`}));
 await trainer.release();
