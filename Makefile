@@ -99,8 +99,9 @@ $(JS_STAMP): js/package-lock.json
 	cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund --loglevel=error
 	touch $(JS_STAMP)
 
+# --dist loadfile: a file's tests share their module fixtures (each exports its artifacts once) on one worker
 test-js: $(STAMP) $(JS_STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=10 -m "js and $(STOCK)" tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=10 -m "js and $(STOCK)" tests
 
 demo: $(STAMP)
 	$(PY) samples/train_lm.py
