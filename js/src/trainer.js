@@ -172,8 +172,8 @@ export class ArtifactTrainer {
       lr: new this.ort.Tensor('float32', new Float32Array([lr]), []),
       step: new this.ort.Tensor('int64', new BigInt64Array([BigInt(step)]), []),
     };
-    const feeds = this.feeds(train.inputs, batch, scalars, 'train');
-    const outputs = await this.run(this.trainSession, feeds, `train step ${step}`);
+    const feeds = this._feeds(train.inputs, batch, scalars, 'train');
+    const outputs = await this._run(this.trainSession, feeds, `train step ${step}`);
     const updated = new Map();
     for (const [name, output] of Object.entries(train.updated)) {
       const value = outputs[output];
@@ -200,7 +200,7 @@ export class ArtifactTrainer {
    */
   async evalStep(batch) {
     const names = this.manifest.eval.inputs;
-    const outputs = await this.run(this.evalSession, this.feeds(names, batch, {}, 'eval'), 'eval step');
+    const outputs = await this._run(this.evalSession, this._feeds(names, batch, {}, 'eval'), 'eval step');
     const wanted = Object.fromEntries(this.manifest.eval.outputs.map((n) => [n, outputs[n]]));
     const loss = wanted.loss === undefined ? undefined : Number(wanted.loss.data[0]);
     return {loss, outputs: wanted};
@@ -222,7 +222,8 @@ export class ArtifactTrainer {
     await this.evalSession.release();
   }
 
-  feeds(names, batch, scalars, phase) {
+  // the feeds of one run, every batch value checked against the manifest (internal)
+  _feeds(names, batch, scalars, phase) {
     if (batch === null || typeof batch !== 'object') throw new TypeError(`${phase} batch is ${batch}, expected an object`);
     const wanted = new Set(names);
     for (const key of Object.keys(batch)) {
@@ -238,7 +239,7 @@ export class ArtifactTrainer {
       const entry = this.inputs.get(name);
       if (!entry) continue;
       if (!(name in batch)) throw new ArtifactError(`${phase} batch has no ${JSON.stringify(name)} (${entry.dtype} ${JSON.stringify(entry.shape)})`);
-      given[name] = this.toTensor(batch[name], entry.dtype, `${phase} input ${JSON.stringify(name)}`);
+      given[name] = this._toTensor(batch[name], entry.dtype, `${phase} input ${JSON.stringify(name)}`);
       fed[name] = given[name].dims;
     }
     const bound = bindDims(names.filter((n) => this.inputs.has(n)).map((n) => this.inputs.get(n)), fed);
@@ -251,7 +252,7 @@ export class ArtifactTrainer {
         const entry = this.randoms.get(name);
         const dims = entry.shape.map((d) => evaluateDim(d, bound));
         if (name in batch) {
-          const tensor = this.toTensor(batch[name], entry.dtype, `${phase} random input ${JSON.stringify(name)}`);
+          const tensor = this._toTensor(batch[name], entry.dtype, `${phase} random input ${JSON.stringify(name)}`);
           if (!sameDims(tensor.dims, dims)) {
             throw new ArtifactError(`${phase} random input ${JSON.stringify(name)} has shape [${tensor.dims}], expected [${dims}] (${JSON.stringify(entry.shape)})`);
           }
@@ -265,7 +266,8 @@ export class ArtifactTrainer {
     return feeds;
   }
 
-  toTensor(value, dtype, where) {
+  // a batch value as an ort.Tensor of the manifest's dtype, or a TypeError naming it (internal)
+  _toTensor(value, dtype, where) {
     if (value === null || typeof value !== 'object' || !('data' in value) || !('dims' in value)) {
       throw new TypeError(`${where} is ${value}, expected a Tensor or {data, dims}`);
     }
@@ -291,7 +293,8 @@ export class ArtifactTrainer {
     return new this.ort.Tensor(dtype, data, dims);
   }
 
-  async run(session, feeds, what) {
+  // one session run, one at a time; ORT's errors said with the step they failed in (internal)
+  async _run(session, feeds, what) {
     if (this.busy) throw new Error(`${what}: another step of this trainer is still running (await each step)`);
     this.busy = true;
     try {
