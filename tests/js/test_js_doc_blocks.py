@@ -1,7 +1,7 @@
 """Every ```js block of js/README.md and docs/*.md runs in node, in order in one module per file, in a fresh folder
-holding ``artifact/`` (an MLP exported by ``export_training``) and a node_modules where ``ort-trainer-js`` is this
-repository's js/ and ``onnxruntime-node`` its installed package: as a user who installed both would run it. A
-block that saves ``state.safetensors`` must save one that Python loads back."""
+holding ``mlp_artifact/`` (docs/anywhere.md's MLP, exported by ``export_training``) and a node_modules where
+``ort-trainer-js`` is this repository's js/ and ``onnxruntime-node`` its installed package: as a user who installed
+both would run it. A block that saves ``state.safetensors`` must save one that Python loads back."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_js_blocks_run_in_node(doc, tmp_path):
     sample = (torch.randn(8, 20), torch.randint(0, 4, (8,)))
     config = optim.AdamConfig(lr=1e-2, weight_decay=0.01)
     export_training(
-        MLP(), tmp_path / "artifact", inputs=sample, model_desc=MLP_DESC, optimizer=config,
+        MLP(), tmp_path / "mlp_artifact", inputs=sample, model_desc=MLP_DESC, optimizer=config,
         loss_fn=torch.nn.functional.cross_entropy,
     )  # fmt: skip
     modules = tmp_path / "node_modules"
@@ -43,5 +43,5 @@ def test_js_blocks_run_in_node(doc, tmp_path):
     done = subprocess.run(["node", "blocks.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     if (tmp_path / "state.safetensors").exists():
-        state = load_training_state(tmp_path / "artifact", state=tmp_path / "state.safetensors")
+        state = load_training_state(tmp_path / "mlp_artifact", state=tmp_path / "state.safetensors")
         assert state.step >= 1 and set(state.weights) == {n for n, _ in MLP().named_parameters()}
