@@ -13,7 +13,8 @@ Rooms (docs/architecture.md has the floor plan): ``trainer`` (``ORTTrainer``, th
 ``train_step_info`` (``TrainStepInfo``), ``config`` (options, model description), ``graph`` (torch module ->
 training graph), ``diagnosis`` (failures in the user's terms), ``engine`` (running the graphs, ``TrainerState``),
 ``_state`` (state dicts and checkpoints in and out), ``parallel`` (Megatron), ``module`` (``ORTModule``, the
-torch.compile backend), ``hf`` (the Hugging Face ``Trainer``), ``_package`` (import-time setup).
+torch.compile backend), ``hf`` (the Hugging Face ``Trainer``), ``export`` (training artifacts for any ONNX
+Runtime: docs/anywhere.md), ``_package`` (import-time setup).
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def add_command(sub: argparse._SubParsersAction, command) -> None:
 def run_convert_training_state(source: Path, target: Path, *, optimizer_name: str, overwrite: bool) -> str:
     """A training artifact's state (its folder, or a state file alone: ``optimizer_name`` then says whose moments it
     holds) -> a checkpoint of weights, buffers, optimizer state and update count."""
-    from ort_trainer.export._load import load_training_state
+    from ort_trainer.export import load_training_state
 
     if output_kind(target) != "checkpoint":
         raise CheckpointFormatError(
@@ -312,7 +312,7 @@ def run_convert_training_state(source: Path, target: Path, *, optimizer_name: st
 def _training_state(path: Any) -> bool:
     if not isinstance(path, Path):
         return False
-    from ort_trainer.export._load import is_training_state
+    from ort_trainer.export import is_training_state
 
     return is_training_state(path)
 

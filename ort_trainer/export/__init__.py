@@ -8,7 +8,8 @@ the state in safetensors and a manifest. ``load_training_state`` reads a state a
 * ``_graphs``: the autograd engine's training and eval graphs of a trainer's model, symbolic dims kept;
 * ``_builder`` / ``_updates`` / ``_step_graph``: clipping and the optimizer updates as standard ONNX ops, appended
   to the training graph;
-* ``_manifest`` / ``_state_file``: the manifest and the state file, written and checked;
+* ``_manifest`` / ``_state_file``: the manifest and the state file, written and checked; ``_errors``:
+  `ArtifactError`, what a bad one raises;
 * ``_export``: `export_training`;
 * ``_driver``: `ArtifactRunner`, the reference driver in Python onnxruntime;
 * ``_load``: `load_training_state`, `TrainingState`, the way back into ``ORTTrainer`` and torch.
@@ -23,9 +24,16 @@ if TYPE_CHECKING:
     from ._driver import ArtifactRunner
     from ._errors import ArtifactError
     from ._export import export_training
-    from ._load import TrainingState, load_training_state
+    from ._load import TrainingState, is_training_state, load_training_state
 
-__all__ = ["ArtifactError", "ArtifactRunner", "TrainingState", "export_training", "load_training_state"]
+__all__ = [
+    "ArtifactError",
+    "ArtifactRunner",
+    "TrainingState",
+    "export_training",
+    "is_training_state",
+    "load_training_state",
+]
 
 # imported on first use: the checkpoint command line reads artifact states (`_load`) without torch or onnx
 _LAZY = {
@@ -34,6 +42,7 @@ _LAZY = {
     "TrainingState": "._load",
     "export_training": "._export",
     "load_training_state": "._load",
+    "is_training_state": "._load",
 }
 
 

@@ -134,7 +134,8 @@ def _write(state, train, evaluation, folder: Path) -> dict[str, Any]:
     tensors = _state_tensors(state)
     shapes = {name: list(t.shape) for name, t in tensors.items()}
     dims = sorted({label for axes in train.traced.dynamic.values() for label in axes.values()})
-    random = [_random_entry(r, dims) for r in train.traced.random_inputs]
+    read = {i.name for i in train.model.graph.input}
+    random = [_random_entry(r, dims) for r in train.traced.random_inputs if r.name in read]
     trained = list(train.traced.trained)
     loss = desc.output_names[desc.loss_index]
     step_graph = add_update(

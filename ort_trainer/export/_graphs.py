@@ -16,7 +16,14 @@ import onnx
 import torch
 
 from ort_trainer.engine import TrainerState, exported_graph
-from ort_trainer.graph.autograd import OnnxModule, Precision, TracedGraph, graph_cache_from_env, trace_graph
+from ort_trainer.graph.autograd import (
+    OnnxModule,
+    Precision,
+    SymbolicShapesError,
+    TracedGraph,
+    graph_cache_from_env,
+    trace_graph,
+)
 
 __all__ = ["ExportedGraph", "export_graphs"]
 
@@ -29,7 +36,8 @@ class ExportedGraph:
 
 def export_graphs(state: TrainerState, inputs: Sequence[torch.Tensor]) -> tuple[ExportedGraph, ExportedGraph]:
     """(training graph, eval graph) of the trainer's model for sample ``inputs`` (one per ``model_desc`` input);
-    ValueError when a dim ``model_desc`` names cannot stay symbolic (an artifact is one graph for every size)."""
+    ValueError when the exporter cannot keep the named dims symbolic (an artifact is one graph for every size); a
+    dim the model's own code fixes (a Linear's features) is static in the artifact, with a warning."""
     store, desc = state.store, state.model_desc
     model = state.model
     if isinstance(model, onnx.ModelProto):
@@ -45,14 +53,22 @@ def export_graphs(state: TrainerState, inputs: Sequence[torch.Tensor]) -> tuple[
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = exported_graph(traced, cache, training, Precision())
+            try:
+                exported = exported_graph(traced, cache, training, Precision())
+            except SymbolicShapesError as error:
+                raise ValueError(
+                    f"export_training: the {'training' if training else 'eval'} graph cannot keep the dims "
+                    f"{sorted({d for a in axes.values() for d in a.values()})} symbolic ({error}); a training "
+                    "artifact is one graph for every size of them"
+                ) from error
         kept = {label for dims in traced.dynamic.values() for label in dims.values()}
         static = sorted({label for dims in axes.values() for label in dims.values()} - kept)
-        if static:
-            raise ValueError(
-                f"the model's code makes the dims {static} static; a training artifact is one graph for every size of "
-                "the dims model_desc names: give those dims as ints in model_desc (the ORTTrainer warning names the "
-                "line that fixes them)"
+        if static and training:
+            warnings.warn(
+                f"export_training: the model's code makes the dims {static} static (a Linear's input features, a "
+                "reshape to a literal...): the artifact takes only the traced size of them",
+                UserWarning,
+                stacklevel=3,
             )
         graphs.append(ExportedGraph(exported, traced))
     return graphs[0], graphs[1]

@@ -44,25 +44,41 @@ class TrainingState:
         takes it, and training continues from update ``step + 1``."""
         import torch
 
-        from ort_trainer.checkpoint.cli._convert import weights_only_tree
+        from ort_trainer.checkpoint.format import schema as S
 
-        tensors = {n: torch.from_numpy(np.array(v)) for n, v in {**self.weights, **self.buffers}.items()}
-        tree = weights_only_tree(tensors, self.optimizer)
-        tree["train_step_info"] = {"optimization_step": self.step, "step": self.step}
+        def tensors(values: Mapping[str, np.ndarray]) -> dict[str, Any]:
+            return {n: torch.from_numpy(np.array(v)) for n, v in values.items()}
+
+        options = S.TrainerOptionsRecord(
+            mixed_precision=False,
+            zero_stage=0,
+            world_rank=0,
+            world_size=1,
+            optimizer_name=self.optimizer,
+            data_parallel_size=1,
+            horizontal_parallel_size=1,
+        )
+        model = {S.FULL_PRECISION_KEY: tensors(self.weights)} | (
+            {S.BUFFERS_KEY: tensors(self.buffers)} if self.buffers else {}
+        )
+        tree: dict[str, Any] = {
+            S.MODEL_KEY: model,
+            S.TRAINER_OPTIONS_KEY: options.to_tree(),
+            S.TRAIN_STEP_INFO_KEY: {S.OPTIMIZATION_STEP_KEY: self.step, S.TRAIN_STEP_KEY: self.step},
+        }
         if self.optimizer == "SGDOptimizer":
             return tree
-        count = torch.tensor([self.step + 1], dtype=torch.int64)
+        count = torch.tensor([self.step + 1], dtype=torch.int64)  # the counter of the next update
         optimizer: dict[str, Any] = {}
-        for name, (first, second) in self.moments.items():
-            optimizer[name] = {
-                "Moment_1": torch.from_numpy(np.array(first)),
-                "Moment_2": torch.from_numpy(np.array(second)),
-            }
+        for name, moments in self.moments.items():
+            optimizer[name] = dict(
+                zip(("Moment_1", "Moment_2"), tensors(dict(enumerate(moments))).values(), strict=True)
+            )
             if self.optimizer == "AdamOptimizer":
                 optimizer[name]["Update_Count"] = count.clone()
         if self.optimizer == "LambOptimizer":
             optimizer["shared_optimizer_state"] = {"Step": count}
-        tree["optimizer"] = optimizer
+        tree[S.OPTIMIZER_KEY] = optimizer
         return tree
 
     def module_state_dict(self, module: Any = None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto, helper
 
-from ort_trainer.graph.autograd._trace import GRAD_SUFFIX, UPDATED_SUFFIX
+from ort_trainer.graph.autograd import GRAD_SUFFIX, UPDATED_SUFFIX
 from ort_trainer.optim.config import OptimizerConfig
 
 from . import _updates

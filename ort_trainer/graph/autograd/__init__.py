@@ -41,9 +41,11 @@ from ._precision import LOSS_SCALE_INPUT, Precision
 from ._random import RandomInput, lift_random_ops
 from ._symbolic import broken_guard, random_shape, signature_shape
 from ._to_onnx import graph_to_onnx
-from ._trace import GraphNames, SymbolicShapesError, TracedGraph, TraceError, trace_graph
+from ._trace import GRAD_SUFFIX, UPDATED_SUFFIX, GraphNames, SymbolicShapesError, TracedGraph, TraceError, trace_graph
 
 __all__ = [
+    "GRAD_SUFFIX",
+    "UPDATED_SUFFIX",
     "ClassIndexInput",
     "DISABLED_ORT_OPTIMIZERS",
     "GraphCache",
