@@ -21,8 +21,10 @@ STOCK_TREE := --ignore=tests/onnxblock
 WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 XDIST := -n $(WORKERS) --dist worksteal
 LONG := (slow or faults or zoo or hf_long)
+# the JS driver's tests (tests/js) need node, npm's packages and Chromium: they run in `make test-js` only
+NOT_JS := not js
 
-.PHONY: test test-long test-slow test-faults test-zoo test-hf test-onnxblock test-install test-latest demo lint bench clean
+.PHONY: test test-long test-slow test-faults test-zoo test-hf test-onnxblock test-install test-latest test-js demo lint bench clean
 
 # A venv is rebuilt from scratch when its lock changes: installing one runtime over the other is never an upgrade.
 $(STAMP): requirements.txt setup.py
@@ -46,15 +48,15 @@ $(OB_STAMP): requirements-onnxblock.txt setup.py
 # `make test-hf` runs the long ort_trainer.hf comparisons; `make test-onnxblock` runs the suite and the zoo
 # in the onnxruntime-training venv (CI runs all five).
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow and not faults and not zoo and not hf_long and not install and $(STOCK)" $(STOCK_TREE) tests
+	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow and not faults and not zoo and not hf_long and not install and $(NOT_JS) and $(STOCK)" $(STOCK_TREE) tests
 
 # CI's one session for the four long targets below (one collection; workers stay busy to the end)
 test-long: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) --durations=25 -m "$(LONG) and not install and $(STOCK)" $(STOCK_TREE) tests
+	$(PY) -m pytest -q $(XDIST) --durations=25 -m "$(LONG) and not install and $(NOT_JS) and $(STOCK)" $(STOCK_TREE) tests
 
 # the tests of the main suite that take over ~10 s each (tests/conftest.py SLOW_TESTS)
 test-slow: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "slow and not faults and not zoo and not hf_long and not install and $(STOCK)" $(STOCK_TREE) tests
+	$(PY) -m pytest -q $(XDIST) -m "slow and not faults and not zoo and not hf_long and not install and $(NOT_JS) and $(STOCK)" $(STOCK_TREE) tests
 
 test-faults: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "faults and $(STOCK)" $(STOCK_TREE) tests
@@ -73,7 +75,7 @@ test-hf: $(STAMP)
 # `make test` only, and the slow tests (multi-rank runs, samples, fresh-process resumes) in `make test-slow` only,
 # unless they mean the onnxblock engine.
 test-onnxblock: $(OB_STAMP)
-	$(OB_PY) -m pytest -q $(XDIST) -m "onnxblock or not (faults or hf_long or install or zoo or slow or checkpoint_package)" tests
+	$(OB_PY) -m pytest -q $(XDIST) -m "onnxblock or not (faults or hf_long or install or zoo or slow or checkpoint_package or js)" tests
 
 # `pip install .` from clean venvs against the package index: stock only, onnxruntime-training only, switching
 test-install: $(STAMP)
@@ -91,6 +93,18 @@ test-latest:
 	$(LATEST_PY) -m ort_trainer
 	$(LATEST_PY) -m pytest -q $(XDIST) -m "latest and $(STOCK)" $(STOCK_TREE) tests
 
+# The JS driver (js/): its npm packages from js/package-lock.json (onnxruntime-node's install script would download
+# CUDA files: skipped), then tests/js in Node.js (onnxruntime-node) and headless Chromium (onnxruntime-web, Debian's
+# /usr/bin/chromium or $$CHROMIUM) against Python onnxruntime on the same artifacts. Needs node >= 20 and npm.
+JS_STAMP := js/node_modules/.installed
+$(JS_STAMP): js/package-lock.json
+	cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund --loglevel=error
+	touch $(JS_STAMP)
+
+# --dist loadfile: a file's tests share their module fixtures (each exports its artifacts once) on one worker
+test-js: $(STAMP) $(JS_STAMP)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=10 -m "js and $(STOCK)" $(STOCK_TREE) tests
+
 demo: $(STAMP)
 	$(PY) samples/train_lm.py
 
@@ -101,4 +115,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) $(OB_VENV) $(LATEST_VENV) build *.egg-info out
+	rm -rf $(VENV) $(OB_VENV) $(LATEST_VENV) build *.egg-info out js/node_modules

@@ -76,13 +76,15 @@ INSTALL_REQUIRES = [
     "h5py>=3.16,<4",
     "tqdm>=4.70.1,<5",
     "crc32c>=2.9.post0,<3",
+    # training artifacts (ort_trainer.export_training) keep their state in safetensors, which every runtime reads
+    "safetensors>=0.8.0,<1",
 ]
 
 EXTRAS_REQUIRE = {
     # checkpoints at fsspec URLs (memory://, file://, ...); s3:// needs s3fs too
     "fsspec": ["fsspec>=2026.9.0"],
     "s3": ["fsspec>=2026.9.0", "s3fs>=2026.9.0"],
-    # `ort-trainer-ckpt convert` to and from .safetensors files
+    # kept for installs that name it: safetensors is a dependency of every install now (training artifacts)
     "safetensors": ["safetensors>=0.8.0,<1"],
     # the scripts in samples/ (loss curves)
     "samples": ["matplotlib>=3.11.2"],

@@ -177,6 +177,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if relative.startswith("checkpoint/"):
             item.add_marker(pytest.mark.checkpoint_package)
+        if relative.startswith("js/"):
+            item.add_marker(pytest.mark.js)
         if {relative, test, f"{relative}::{item.name}"} & LATEST_TESTS:
             item.add_marker(pytest.mark.latest)
     if (config.option.markexpr or "").strip().startswith("latest") and LATEST_TESTS - latest_found:

@@ -153,6 +153,7 @@ def test_wheel_metadata_declares_ranges_extras_license_and_types(wheel):
         assert runtime["onnxruntime"].contains("1.31.1") and not runtime["onnxruntime"].contains("1.19.2")
     assert runtime["onnx"].contains("1.17.0") and runtime["onnx"].contains("1.23.2")
     assert runtime["onnxscript"].contains("0.7.2")
+    assert runtime["safetensors"].contains("0.8.0")  # training artifacts (export_training) on a plain install
     for name, spec in runtime.items():  # ranges, not pins
         assert ">=" in str(spec) and "==" not in str(spec), (name, spec)
     lock = REPO / ("requirements-onnxblock.txt" if training else "requirements.txt")

@@ -63,9 +63,11 @@ def test_the_usage_examples_adam_is_adamw_after_global_norm_clipping():
 def test_the_samples_section_lists_every_sample():
     """README's "## Samples" table has a row per script of samples/ (model.py is their shared module)."""
     section = README.split("## Samples", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"^\| `([a-z_]+\.py)` \|", section, flags=re.MULTILINE))
+    listed = set(re.findall(r"^\| `([a-z_]+\.py|[a-z_]+/)` \|", section, flags=re.MULTILINE))
     scripts = {p.name for p in (REPO / "samples").glob("*.py")} - {"model.py"}
-    assert listed == scripts, (listed, scripts)
+    # a sample folder (the browser page); data/ is the corpus the scripts share
+    pages = {f"{p.parent.name}/" for p in (REPO / "samples").glob("*/README.md")} - {"data/"}
+    assert listed == scripts | pages, (listed, scripts | pages)
 
 
 def test_the_install_section_names_every_extra():

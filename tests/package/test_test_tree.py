@@ -95,7 +95,8 @@ def test_no_test_outside_the_onnxblock_folder_imports_onnxruntime_training():
 
 def _texts_that_name_tests() -> list[Path]:
     """README.md and every other Markdown and Python file of the repository (not CHANGELOG.md: its entries tell
-    history), outside the virtual environments and build outputs."""
+    history), outside the virtual environments, build outputs and npm's installed packages (js/node_modules: other
+    projects' READMEs name their own tests/)."""
     skip = {".git", "build", "out"}
     folders = [
         p
@@ -104,7 +105,7 @@ def _texts_that_name_tests() -> list[Path]:
     ]
     found = [REPO / "README.md", *REPO.glob("*.py")]
     for folder in folders:
-        found += [*folder.rglob("*.md"), *folder.rglob("*.py")]
+        found += [p for p in [*folder.rglob("*.md"), *folder.rglob("*.py")] if "node_modules" not in p.parts]
     return sorted(found)
 
 

@@ -272,6 +272,20 @@ class SymbolicShapesError(TraceError):
     the dims the trace did not, or a random draw's dim is an expression of several): trace it per shape."""
 
 
+def _distinct(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` with each repeated object replaced by a copy.
+
+    Tracing turns each real tensor into a fake one once, by identity: one tensor given as two inputs (a language
+    model's ``labels=input_ids``) became one fake tensor whose uses were all recorded against the last placeholder,
+    so the graph never read the first input, and later steps with their own labels trained on the wrong tensor."""
+    seen: set[int] = set()
+    distinct = []
+    for tensor in tensors:
+        distinct.append(tensor.clone() if id(tensor) in seen else tensor)
+        seen.add(id(tensor))
+    return tuple(distinct)
+
+
 def trace_graph(
     model: torch.nn.Module,
     loss_fn: Callable | None,
@@ -312,7 +326,7 @@ def trace_graph(
         extra = precision.extra_inputs(training)
         _check_input_names(names, desc, extra)
         extra_values = [torch.ones((), dtype=torch.float32, device=_device_of(inputs, trainable)) for _ in extra]
-        sample = (*trainable.values(), *frozen.values(), *constants.values(), *inputs, *extra_values)
+        sample = _distinct((*trainable.values(), *frozen.values(), *constants.values(), *inputs, *extra_values))
         function, result = _graph_function(
             wrapper, desc, (list(trainable), list(frozen), list(constants)), training, precision
         )
