@@ -20,6 +20,15 @@ from ort_trainer.module import ort_backend
 from tests.paths import REPO
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo remembers, per code object, the sizes it has seen (automatic dynamic shapes): a test of this worker
+    that compiled `Linear.forward` at two batch sizes made the next test's first graph symbolic already, and the
+    graph counts below depend on the first being static."""
+    torch._dynamo.reset()
+    yield
+
+
 class _Broken(torch.nn.Module):
     """Two Linear layers with a graph break between them (as a print or a call Dynamo cannot trace makes)."""
 
