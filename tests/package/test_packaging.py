@@ -57,6 +57,12 @@ for name, tensor in a["model"]["full_precision"].items():
 print("OK", losses[0], losses[-1])
 """
 
+# what a copy of the working tree leaves out: every venv (`make test-latest`'s holds a multi-GB CUDA torch: three
+# copies filled a 64 GB disk), npm's packages, build outputs and caches
+_COPY_IGNORE = shutil.ignore_patterns(
+    ".venv*", ".git", "node_modules", "build", "dist", "*.egg-info", "out", "__pycache__", "*.ortcp"
+)
+
 
 def _fresh_venv(root: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
@@ -76,7 +82,7 @@ def _fresh_venv(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     source = tmp_path_factory.mktemp("src") / "ort_trainer"
-    ignore = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "out", "__pycache__", "*.ortcp")
+    ignore = _COPY_IGNORE
     shutil.copytree(REPO, source, ignore=ignore)
     out = tmp_path_factory.mktemp("wheel")
     built = subprocess.run(
@@ -257,7 +263,7 @@ print(ort_trainer.__file__, checkpoint.__file__, optim.__file__, amp.__file__, F
 
 def _source_copy(tmp_path: Path) -> Path:
     copy = tmp_path / "clone"
-    ignore = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "out", "__pycache__", "*.ortcp")
+    ignore = _COPY_IGNORE
     shutil.copytree(REPO, copy, ignore=ignore)
     return copy
 
