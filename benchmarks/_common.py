@@ -27,7 +27,6 @@ import onnx
 import onnxruntime as ort
 import torch
 
-import ort_trainer.engine._build as _build
 from benchmarks._isa import isa_stamp, mkl_isa
 from ort_trainer import ORTTrainer, optim
 from ort_trainer.config.model_desc import validate_model_desc
@@ -228,13 +227,15 @@ def session_options(
 @contextlib.contextmanager
 def graph_rewrites(enabled: bool) -> Iterator[None]:
     """Force the CPU speed rewrites (forward and training graph) on or off while an `ORTTrainer` builds."""
-    saved = _build.apply_forward_rewrites, _build.apply_training_rewrites
+    import ort_trainer.engine.onnxblock._build as onnxblock_build  # the onnxblock wing applies them (issue X)
+
+    saved = onnxblock_build.apply_forward_rewrites, onnxblock_build.apply_training_rewrites
     if not enabled:
-        _build.apply_forward_rewrites = _build.apply_training_rewrites = lambda model, *threads: 0
+        onnxblock_build.apply_forward_rewrites = onnxblock_build.apply_training_rewrites = lambda model, *threads: 0
     try:
         yield
     finally:
-        _build.apply_forward_rewrites, _build.apply_training_rewrites = saved
+        onnxblock_build.apply_forward_rewrites, onnxblock_build.apply_training_rewrites = saved
 
 
 # ------------------------------------------------------------------------------------------ contenders
