@@ -90,15 +90,22 @@ def _is_scatter_add(node: onnx.NodeProto | None) -> bool:
     return next((a.s for a in node.attribute if a.name == "reduction"), b"none") == b"add"
 
 
-def _zeros_shape(name: str, producers: dict, constants: dict) -> tuple[tuple[int, ...], int] | None:
-    """(shape, element type) of ``name`` where it is a constant tensor of zeros, else None."""
+def _zeros_shape(
+    name: str, producers: dict, constants: dict, shapes: dict | None = None
+) -> tuple[tuple[int | str, ...], int] | None:
+    """(shape, element type) of ``name`` where it is a tensor of zeros, else None: a constant, or a zero scalar
+    expanded to a constant shape or (with ``shapes``, `_known_shapes`) to ``Shape(x)``, the shape of ``x``."""
     if name in constants:
         init = constants[name]
         return None if numpy_helper.to_array(init).any() else (tuple(init.dims), init.data_type)
     expand = producers.get(name)
     if expand is None or expand.op_type != "Expand" or expand.domain not in ("", "ai.onnx"):
         return None
-    fill, target = constants.get(expand.input[0]), _int_values(constants.get(expand.input[1]))
+    fill = constants.get(expand.input[0])
+    target = _int_values(constants.get(expand.input[1]))
+    if target is None and shapes is not None:
+        of = _whole_shape_of(producers.get(expand.input[1]))
+        target = list(shapes[of][0]) if of in shapes else None
     if fill is None or target is None or len(fill.dims) > len(target):  # a fill of higher rank broadcasts further
         return None
     value = numpy_helper.to_array(fill)
@@ -107,10 +114,44 @@ def _zeros_shape(name: str, producers: dict, constants: dict) -> tuple[tuple[int
     return tuple(target), fill.data_type
 
 
+def _whole_shape_of(node: onnx.NodeProto | None) -> str | None:
+    """``x`` where ``node`` is ``Shape(x)`` of every dim (no start or end), else None."""
+    if node is None or node.op_type != "Shape" or node.domain not in ("", "ai.onnx"):
+        return None
+    attrs = {a.name: a.i for a in node.attribute}
+    return node.input[0] if attrs.get("start", 0) == 0 and "end" not in attrs else None
+
+
 def _int_values(tensor: onnx.TensorProto | None) -> list[int] | None:
     if tensor is None or tensor.data_type not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
         return None
     return [int(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+
+
+def _known_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int | str, ...], int]]:
+    """(shape, element type) of every value whose every dim the exporter annotated, a symbolic dim as its
+    expression (the exporter writes one expression for one size: ``s35*(s38 - 1)``), and of each
+    ``ConstantOfShape(Shape(x))``: ``x``'s shape. What the rewrites of a symbolic graph compare shapes with."""
+    found = {}
+    graph = model.graph
+    for info in (*graph.value_info, *graph.output, *graph.input):
+        tensor = info.type.tensor_type
+        if not tensor.HasField("shape"):
+            continue
+        dims = tensor.shape.dim
+        if all(d.HasField("dim_value") or d.HasField("dim_param") for d in dims):
+            found[info.name] = (
+                tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims),
+                tensor.elem_type,
+            )
+    producers = {out: node for node in graph.node for out in node.output}
+    for node in graph.node:
+        if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx"):
+            of = _whole_shape_of(producers.get(node.input[0]))
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if of in found and value is not None:
+                found[node.output[0]] = (found[of][0], value.data_type)
+    return found
 
 
 def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -285,7 +326,7 @@ def fold_one_hot_loss_gradients(model: onnx.ModelProto) -> int:
             readers.setdefault(name, []).append(node)
     outputs = {out.name for out in graph.output}
     constants = {init.name: init for init in graph.initializer}
-    shapes = _static_shapes(model)
+    shapes = _known_shapes(model)  # a symbolic graph's [tokens, classes] has symbolic dims
     dropped: set[int] = set()
     added: list[tuple[onnx.NodeProto, list[onnx.NodeProto]]] = []  # (insert before this node, new nodes)
     count = 0
@@ -351,7 +392,7 @@ def _one_hot_gradient(sub, producers, readers, outputs, constants, shapes):
         return None
     if "axis" not in attrs or attrs["axis"].i not in (1, -1):
         return None
-    if _zeros_shape(scatter.input[0], producers, constants) != full:
+    if _zeros_shape(scatter.input[0], producers, constants, shapes) != full:
         return None
     column = ((full[0][0], 1), full[1])
     if shapes.get(scatter.input[2]) != column or shapes.get(w) != column:  # one value per row, one scale per row
