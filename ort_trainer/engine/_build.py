@@ -117,6 +117,10 @@ def session_options_for(options: ORTTrainerOptions) -> ort.SessionOptions:
         # ORT's spinning pool threads fight torch's OpenMP threads around the optimizer step (measured:
         # MLP step 16.3 -> 10.7 ms on 2 cores). Users who pass session_options decide for themselves.
         session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # nodes in the graph's own order (the forward, then the backward from the loss down, each tensor freed
+        # soon after its last reader) rather than ORT's default depth-first order, which held more at once
+        # (peak RSS at GPT-2 124M, batch 4 x 128: -81 MiB; docs/engines.md, "Variable-length batches")
+        session_options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         if options.device.id == "cpu":
             # ORT's memory pattern replays the first run's allocations as one planned block per run, kept
             # between steps; for a training graph that block is larger than what the arena needs without it
