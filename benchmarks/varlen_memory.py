@@ -10,6 +10,8 @@ longest first). Each variant runs alone in a child process (RSS is per process):
 
 * ``pytorch`` / ``pytorch_sdpa``: eager PyTorch (eager / sdpa attention, fused AdamW), the reference;
 * ``cold``: ORTTrainer with its defaults and an empty graph cache (trace, export, session, first run);
+* ``cold_in_process``: ``cold`` with every export in this process (``ORT_TRAINER_EXPORT_IN_CHILD=0``; by default
+  graphs of 256 MiB of inputs and more export in a forked child, whose memory goes back to the OS: GPT-2 124M);
 * ``hit``: the same, its graph found in the cache that ``cold`` filled (no export: what a resumed job pays);
 * ``no_arena``: ``hit`` with ONNX Runtime's CPU arena off (``enable_cpu_mem_arena = False``, no shared arena):
   memory goes back to the OS after every run, at a cost in speed (page faults);
@@ -19,7 +21,8 @@ longest first). Each variant runs alone in a child process (RSS is per process):
 Per variant: the resident size (VmRSS) after each phase (``setup``: torch, transformers, the model and the batches;
 ``store``: the trainer built, its flat buffers and optimizer state allocated; ``traced``; ``exported``;
 ``session``; ``first step``; ``steps``: after --steps batches), the peak (VmHWM) and its ratio to the better
-eager peak, and the median CPU ms of the steps after the first (at 1 thread).
+eager peak, the peak RSS of an export child (its pages shared with the trainer's process count in both; "–"
+where the export ran in the process), and the median CPU ms of the steps after the first (at 1 thread).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -43,7 +47,7 @@ if __package__ in (None, ""):
 from benchmarks import varlen
 from benchmarks._common import host_stamp, set_torch_threads, status_kb
 
-VARIANTS = ("pytorch", "pytorch_sdpa", "cold", "hit", "no_arena", "same_as_requested")
+VARIANTS = ("pytorch", "pytorch_sdpa", "cold", "cold_in_process", "hit", "no_arena", "same_as_requested")
 PHASES = ("setup", "store", "traced", "exported", "session", "first step", "steps")
 
 
@@ -129,7 +133,9 @@ def child(args) -> None:
         step(later)
         cpu.append((time.process_time() - start) * 1000)
     phases.mark("steps")
+    exporter = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024  # KiB: the largest child, waited for
     result = {"phases": phases.rss, "peak": _mib("VmHWM"), "cpu_ms": statistics.median(cpu) if cpu else None}
+    result["export_child_peak"] = exporter or None
     print("RESULT " + json.dumps(result), flush=True)
     del keep
 
@@ -141,6 +147,8 @@ def run(args) -> dict:
     try:
         for variant in args.variants.split(","):
             env = {**os.environ, "ORT_TRAINER_GRAPH_CACHE_DIR": cache}
+            if variant == "cold_in_process":  # an empty cache of its own, every export in the process
+                env.update(ORT_TRAINER_GRAPH_CACHE_DIR=tempfile.mkdtemp(dir=cache), ORT_TRAINER_EXPORT_IN_CHILD="0")
             command = [sys.executable, __file__, "--child", variant, "--model", args.model, "--steps", str(args.steps)]
             command += ["--threads", str(args.threads)] + (["--batch", str(args.batch)] if args.batch else [])
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -156,13 +164,14 @@ def run(args) -> dict:
 def print_table(results: dict) -> None:
     eager = [results[n]["peak"] for n in ("pytorch", "pytorch_sdpa") if n in results]
     best = min(eager) if eager else None
-    print(f"| variant | {' | '.join(PHASES)} | peak RSS MiB | peak × best eager | CPU ms/step |")
-    print("|---" * (len(PHASES) + 4) + "|")
+    print(f"| variant | {' | '.join(PHASES)} | peak RSS MiB | peak × best eager | export child peak | CPU ms/step |")
+    print("|---" * (len(PHASES) + 5) + "|")
     for name, row in results.items():
         cells = [str(row["phases"].get(p, "–")) for p in PHASES]
         ratio = f"{row['peak'] / best:.2f}" if best else "–"
         cpu = f"{row['cpu_ms']:.0f}" if row["cpu_ms"] is not None else "–"
-        print(f"| {name} | {' | '.join(cells)} | {row['peak']} | {ratio} | {cpu} |")
+        exporter = row.get("export_child_peak") or "–"
+        print(f"| {name} | {' | '.join(cells)} | {row['peak']} | {ratio} | {exporter} | {cpu} |")
 
 
 def main(argv=None) -> int:

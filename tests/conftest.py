@@ -117,6 +117,12 @@ SLOW_TESTS = frozenset(
         "engine/test_symbolic_shapes.py::test_gradient_accumulation_over_batches_of_different_lengths_equals_torch",
         # 22 s (MLP, CNN with BatchNorm, Embedding/LayerNorm/reshape; the MLP alone runs in `make test` too)
         "engine/test_onnx_model_engines.py::test_an_onnx_model_trains_on_the_autograd_engine_as_pytorch_trains_its_source",
+        # 65 s at load 6 (two fresh interpreters, each exporting two graphs); 16 s (three ORTModule exports in
+        # children, each importing the exporter anew)
+        "engine/test_child_export.py::"
+        "test_a_trainer_whose_graphs_export_in_a_child_trains_the_same_and_never_imports_the_exporter",
+        "engine/test_child_export.py::"
+        "test_ortmodule_exports_in_a_child_train_as_pytorch_and_a_failed_export_says_what_it_said_here",
         # 2 x 30 s (two ranks, a GPT-2 trace each)
         "distributed/test_varlen_ranks.py::test_ranks_with_batches_of_different_lengths_train_one_graph_each_and_equal_torch",
         "hf/test_shapes.py::test_classifier_with_data_collator_with_padding_uses_one_graph_for_every_batch",  # 30 s

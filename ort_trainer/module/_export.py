@@ -20,6 +20,8 @@ from ort_trainer.graph.autograd import (
     SymbolicShapesError,
     TracedGraph,
     TraceError,
+    build_in_child,
+    export_in_child,
     get_or_build,
     graph_to_onnx,
 )
@@ -60,7 +62,13 @@ def _lines_calling(module: torch.fx.GraphModule, ops: list[str]) -> str:
 
 def exported(traced: TracedGraph, cache: GraphCache | None, kind: str) -> onnx.ModelProto:
     """``traced`` as an ONNX model, from the graph cache when it holds it (``cache`` None: no cache)."""
-    model, hit = get_or_build(cache, traced, {"ortmodule": kind}, lambda: _to_onnx(traced, kind))
+
+    def build() -> onnx.ModelProto:
+        if export_in_child(traced.sample_args):
+            return build_in_child(lambda: _to_onnx(traced, kind), f"ORTModule {kind}")
+        return _to_onnx(traced, kind)
+
+    model, hit = get_or_build(cache, traced, {"ortmodule": kind}, build)
     if hit:
         _log.info("graph cache: ORTModule %s graph loaded from %s", kind, cache.directory)
     return model

@@ -36,7 +36,9 @@ from ort_trainer.graph.autograd import (
     SymbolicShapesError,
     TracedGraph,
     TraceError,
+    build_in_child,
     class_index_inputs,
+    export_in_child,
     get_or_build,
     graph_cache_from_env,
     graph_to_onnx,
@@ -315,12 +317,19 @@ def exported_graph(
     """The ONNX graph of ``traced`` (what ``export_training`` writes too): from the cache when it holds this key with
     the finished graph's names (so the functionalising second trace, the export and its passes are skipped), else
     finished, exported and stored."""
-    model, hit = get_or_build(
-        cache, traced, _cache_options(training, precision), lambda: _export(traced), usable=_has_names
-    )
+    what = "training" if training else "eval"
+
+    def build() -> onnx.ModelProto:
+        if not export_in_child(traced.sample_args):
+            return _export(traced)
+        model = build_in_child(lambda: _export(traced), what)  # `traced` is finished in the child
+        traced.apply_metadata(_metadata(model)[_METADATA])  # here, as on a cache hit
+        return model
+
+    model, hit = get_or_build(cache, traced, _cache_options(training, precision), build, usable=_has_names)
     if hit:
         traced.apply_metadata(_metadata(model)[_METADATA])
-        _log.info("graph cache: %s graph loaded from %s", "training" if training else "eval", cache.directory)
+        _log.info("graph cache: %s graph loaded from %s", what, cache.directory)
     return model
 
 

@@ -27,12 +27,15 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
   before a run: ONNX's gather would take a negative label from the end);
 * ``_cache``: `GraphCache`, the on-disk cache of exported graphs keyed by graph structure and versions (a trace's
   `TracedGraph.fingerprint`): a hit skips the export and its passes; `get_or_build`, the one way the trainer's
-  engine and ORTModule use it.
+  engine and ORTModule use it;
+* ``_child_export``: `build_in_child`, an export in a forked child process (its memory never joins the training
+  process's), and `export_in_child`, when to ask for one (``ORT_TRAINER_EXPORT_IN_CHILD``, large graphs by default).
 """
 
 from __future__ import annotations
 
 from ._cache import GraphCache, get_or_build, graph_cache_from_env
+from ._child_export import build_in_child, export_in_child
 from ._decompositions import training_decompositions
 from ._kernels import UnsupportedDtypeError, missing_kernel_error, output_dtype_error
 from ._labels import ClassIndexInput, class_index_inputs
@@ -50,7 +53,6 @@ __all__ = [
     "LOSS_SCALE_INPUT",
     "UPDATED_SUFFIX",
     "ClassIndexInput",
-    "ClassIndexInput",
     "GraphCache",
     "GraphNames",
     "OnnxModule",
@@ -61,8 +63,10 @@ __all__ = [
     "TracedGraph",
     "UnsupportedDtypeError",
     "broken_guard",
+    "build_in_child",
     "class_index_inputs",
     "collapse_layout_chains",
+    "export_in_child",
     "fold_zero_scatter_adds",
     "get_or_build",
     "graph_cache_from_env",
