@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,12 +140,14 @@ def test_the_child_s_warnings_and_log_records_are_replayed_here(caplog):
         logging.getLogger("ort_trainer.graph").warning("a record from the export")
         return _tiny_model()
 
-    with caplog.at_level(logging.INFO, logger="ort_trainer"), pytest.warns(UserWarning, match="from the export"):
+    with caplog.at_level(logging.DEBUG, logger="ort_trainer"), pytest.warns(UserWarning, match="from the export"):
         model = build_in_child(build, "test")
     assert model == _tiny_model()
-    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
-        ("ort_trainer.graph", logging.WARNING, "a record from the export")
-    ]
+    said = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert said[0] == ("ort_trainer.graph", logging.WARNING, "a record from the export")
+    assert len(said) == 2 and re.fullmatch(
+        r"test graph exported in a child \(pid \d+\): \d+ MiB of its own", said[1][2]
+    )
 
 
 def test_a_child_that_fails_or_is_killed_leaves_the_export_to_this_process():

@@ -75,7 +75,7 @@ def build_in_child(build: Callable[[], onnx.ModelProto], what: str) -> onnx.Mode
     with os.fdopen(read_fd, "rb") as pipe:
         data = pipe.read()
     _, status = os.waitpid(pid, 0)
-    model = _received(data) if os.waitstatus_to_exitcode(status) == 0 else None
+    model = _received(data, what, pid) if os.waitstatus_to_exitcode(status) == 0 else None
     if model is None:
         _log.debug("%s graph: the export child ended with status %s; exporting in this process", what, status)
         return build()
@@ -103,7 +103,8 @@ def _child(build: Callable[[], onnx.ModelProto], read_fd: int, write_fd: int) ->
              "filename": w.filename, "lineno": w.lineno}
             for w in caught
         ]  # fmt: skip
-        head = json.dumps({"error": error, "warnings": said, "records": records}).encode()
+        head = {"error": error, "warnings": said, "records": records, "private_kib": _private_kib()}
+        head = json.dumps(head).encode()
         with os.fdopen(write_fd, "wb") as pipe:
             pipe.write(_HEADER.pack(len(head)) + head + body)
         code = 0
@@ -120,7 +121,17 @@ class _Collect(logging.Handler):
         self.records.append({"name": record.name, "level": record.levelno, "message": record.getMessage()})
 
 
-def _received(data: bytes) -> onnx.ModelProto | None:
+def _private_kib() -> int | None:
+    """KiB of this process's own pages (not shared with the parent): what the child adds to the machine's use."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            fields = dict(line.split(":", 1) for line in rollup if ":" in line)
+        return sum(int(fields[key].split()[0]) for key in ("Private_Clean", "Private_Dirty"))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _received(data: bytes, what: str, pid: int) -> onnx.ModelProto | None:
     """The child's model, its warnings and log records replayed here; None where it sent no model."""
     if len(data) < _HEADER.size:
         return None
@@ -131,11 +142,17 @@ def _received(data: bytes) -> onnx.ModelProto | None:
         return None
     if head["error"] is not None:  # the export here says it all again
         return None
+    try:
+        model = onnx.load_from_string(data[_HEADER.size + length :])
+    except Exception:  # noqa: BLE001 - a cut-off answer (protobuf's DecodeError): the export here answers instead
+        return None
     for record in head["records"]:
         logging.getLogger(record["name"]).log(record["level"], "%s", record["message"])
     for said in head["warnings"]:
         warnings.warn_explicit(said["message"], _category(said), said["filename"], said["lineno"])
-    return onnx.load_from_string(data[_HEADER.size + length :])
+    if head["private_kib"] is not None:
+        _log.debug("%s graph exported in a child (pid %d): %d MiB of its own", what, pid, head["private_kib"] // 1024)
+    return model
 
 
 def _category(said: dict) -> type[Warning]:
