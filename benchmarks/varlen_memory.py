@@ -11,7 +11,7 @@ longest first). Each variant runs alone in a child process (RSS is per process):
 * ``pytorch`` / ``pytorch_sdpa``: eager PyTorch (eager / sdpa attention, fused AdamW), the reference;
 * ``cold``: ORTTrainer with its defaults and an empty graph cache (trace, export, session, first run);
 * ``cold_in_process``: ``cold`` with every export in this process (``ORT_TRAINER_EXPORT_IN_CHILD=0``; by default
-  graphs of 256 MiB of inputs and more export in a forked child, whose memory goes back to the OS: GPT-2 124M);
+  graphs of 16 MiB of inputs and more export in a forked child, whose memory goes back to the OS);
 * ``hit``: the same, its graph found in the cache that ``cold`` filled (no export: what a resumed job pays);
 * ``no_arena``: ``hit`` with ONNX Runtime's CPU arena off (``enable_cpu_mem_arena = False``, no shared arena):
   memory goes back to the OS after every run, at a cost in speed (page faults);
