@@ -106,6 +106,9 @@ def run_case(path, tmp, margin):
     emit(["done"])
 
 from pathlib import Path
+# The first ORTTrainer of a process imports the engine's modules (~850 of them, seconds each time): built once
+# here, so that every forked case inherits them and spends its time in the readers (it still builds its own).
+trainer()
 emit(["ready"])
 for line in sys.stdin:
     path, tmp, margin = json.loads(line)

@@ -1,9 +1,10 @@
 """An ``ort_trainer.hf.Trainer`` run SIGKILLed at one phase of its save of ``checkpoint-4`` (tests/hf/test_resume.py).
 
-``python -m tests.hf.hf_kill_worker OUTPUT_DIR PHASE`` trains the run of the resume tests (6 updates, a save every
-2, ``save_total_limit=1``) and kills itself with SIGKILL at PHASE of the save at update 4, as a preempted job
-dies: no exception handler, no ``atexit``. HF's save writes the weights (``save_model``), ours
-(``ort_trainer.ortcp``), the random state, ``trainer_state.json`` (last), then rotates old folders out.
+``python -m tests.hf.hf_kill_worker OUTPUT_DIR PHASE`` (or a child that ``--serve`` forks, `serve`) trains the run
+of the resume tests (6 updates, a save every 2, ``save_total_limit=1``) and kills itself with SIGKILL at PHASE of
+the save at update 4, as a preempted job dies: no exception handler, no ``atexit``. HF's save writes the weights
+(``save_model``), ours (``ort_trainer.ortcp``), the random state, ``trainer_state.json`` (last), then rotates old
+folders out.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ class _dies_at_fsync:  # noqa: N801 - a context manager used like a function
         os.fsync = self._real
 
 
-def main() -> None:
-    output_dir, phase = sys.argv[1], sys.argv[2]
+def main(output_dir: str, phase: str) -> None:
     if phase not in PHASES:
         raise SystemExit(f"unknown phase {phase!r}; one of {PHASES}")
     Killed.phase = phase
@@ -124,5 +124,39 @@ def main() -> None:
     print("finished without being killed", flush=True)
 
 
+def serve() -> None:
+    """A fork server for the phases (``--serve``): imports what a run needs once (torch, transformers, the engine's
+    tracer), then for each line ``["OUTPUT_DIR", "PHASE", "LOG"]`` (JSON) on stdin forks a child that runs `main`
+    with its stdout and stderr in LOG, and answers with the child's wait status (SIGKILLed: as a preempted job
+    dies)."""
+    import json
+    import traceback
+
+    import ort_trainer.graph.autograd  # noqa: F401 - the first trainer's imports (torch._dynamo, sympy): seconds
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        output_dir, phase, log = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                main(output_dir, phase)
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported in LOG, the test fails on the exit status
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        print(os.waitpid(pid, 0)[1], flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(sys.argv[1], sys.argv[2])

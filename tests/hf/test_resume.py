@@ -10,7 +10,9 @@ folders laid out as a save leaves them (`_saved_folder`), without training.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -154,22 +156,42 @@ def _phases() -> tuple[str, ...]:
     return PHASES
 
 
+@pytest.fixture(scope="module")
+def kill_server():
+    """``python -m tests.hf.hf_kill_worker --serve``: each killed run is a child it forks after importing torch,
+    transformers and the tracer once (a fresh interpreter per phase spent most of its time importing them)."""
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.hf.hf_kill_worker", "--serve"], cwd=root, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    watchdog = threading.Timer(1800, proc.kill)  # the phases' runs together (600 s each before)
+    watchdog.start()
+    assert proc.stdout.readline().strip() == "ready"
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+    watchdog.cancel()
+
+
 @pytest.mark.faults
 @pytest.mark.processes
 @pytest.mark.parametrize("phase", _phases())
-def test_a_run_killed_at_any_phase_of_a_save_resumes_bit_exact(full_run, tmp_path, phase):
+def test_a_run_killed_at_any_phase_of_a_save_resumes_bit_exact(full_run, kill_server, tmp_path, phase):
     """SIGKILL at each phase of the save of checkpoint-4 (save_total_limit=1), then resume_from_checkpoint=True:
     the same losses after the resumed update and the same final weights, bit for bit."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     _, losses, weights = full_run
-    root = Path(__file__).resolve().parents[2]
-    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-m", "tests.hf.hf_kill_worker", str(tmp_path), phase], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == -9, (done.returncode, done.stdout[-2000:], done.stderr[-4000:])
+    log = tmp_path.parent / f"{tmp_path.name}.log"  # beside the run's folder, not in it
+    kill_server.stdin.write(json.dumps([str(tmp_path), phase, str(log)]) + "\n")
+    kill_server.stdin.flush()
+    answer = kill_server.stdout.readline()
+    assert answer, "the kill server died"
+    status = int(answer)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (status, log.read_text()[-4000:])
     resumed = _trainer(tmp_path, save_total_limit=1)
     resumed.train(resume_from_checkpoint=True)
     after = [e["loss"] for e in resumed.state.log_history if "loss" in e and e["step"] > 4]

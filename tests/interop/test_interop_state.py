@@ -172,13 +172,19 @@ BAD_STATES = {
 }
 
 
-@pytest.mark.parametrize("built", [False, True], ids=["before-first-step", "after-first-step"])
-@pytest.mark.parametrize("case", sorted(BAD_STATES))
-def test_every_check_happens_at_the_call_and_a_failed_load_changes_nothing(case, built):
-    edit, pattern = BAD_STATES[case]
+@pytest.fixture(scope="module")
+def trained_state():
+    """The state of a trainer after one step: every case below loads a damaged copy of it."""
     source = _trainer()
     source.train_step(*mlp_batches(1)[0])
-    state = source.state_dict()
+    return copy.deepcopy(source.state_dict())
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["before-first-step", "after-first-step"])
+@pytest.mark.parametrize("case", sorted(BAD_STATES))
+def test_every_check_happens_at_the_call_and_a_failed_load_changes_nothing(trained_state, case, built):
+    edit, pattern = BAD_STATES[case]
+    state = copy.deepcopy(trained_state)
     edit(state)
     target = _trainer(seed=1)
     if built:
