@@ -115,7 +115,12 @@ ORTMODULE_REFUSED = {
     r"\(with _hook_installation_lock",
 }
 COMPILE_REFUSED: dict[str, str] = {}  # Mixtral: its expert loop's graphs get symbolic sizes and run eager (warned)
-WRAPPERS = ["ortmodule", "compile"]
+# ORTModule is torch.compile(module, backend="ort_trainer", fullgraph=True): on a family Dynamo captures as one graph,
+# the compile wrapper builds the very graphs ORTModule builds. It runs where the two differ, the families ORTModule
+# refuses (graph breaks: the code between the graphs runs eager), and on GPT-2, one whole-graph family for the
+# wrapper's own path (~1/3 of the wrapped tests' time saved in CI).
+COMPILE_FAMILIES = sorted({*ORTMODULE_REFUSED, "gpt2"})
+WRAPPED_CASES = [(name, "ortmodule") for name in sorted(ARCHITECTURES)] + [(n, "compile") for n in COMPILE_FAMILIES]
 
 
 def _custom_loop(module: torch.nn.Module, arch: Architecture, batches) -> list[float]:
@@ -123,8 +128,7 @@ def _custom_loop(module: torch.nn.Module, arch: Architecture, batches) -> list[f
     return _torch_losses(module, arch, batches)
 
 
-@pytest.mark.parametrize("wrapper", WRAPPERS)
-@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+@pytest.mark.parametrize(("name", "wrapper"), WRAPPED_CASES)
 def test_a_custom_adamw_loop_over_the_wrapped_architecture_equals_eager(name, wrapper, caplog):
     from ort_trainer import ORTModule
     from ort_trainer.module import ort_backend
