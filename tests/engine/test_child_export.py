@@ -189,3 +189,30 @@ def test_the_setting_is_checked_and_auto_sends_only_large_graphs(monkeypatch):
     monkeypatch.setenv(ENV, "sometimes")
     with pytest.raises(ValueError, match=r"ORT_TRAINER_EXPORT_IN_CHILD must be auto, 1 or 0, got 'sometimes'"):
         export_in_child(small)
+
+
+def test_a_graph_exported_in_a_child_is_stored_in_the_cache_and_found_by_the_next_trainer(monkeypatch, tmp_path):
+    """The child's graph goes into the graph cache like any other (the process holds the cache's lock, the child only
+    exports), and the next trainer of the same model finds it: no export, the same numbers."""
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE_DIR", str(tmp_path))
+    desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)) for rows in (4, 5)]
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        trainer = ORTTrainer(
+            model, desc, optim.SGDConfig(lr=0.1), loss_fn=torch.nn.functional.cross_entropy,
+            options={"utils": {"engine": "autograd", "grad_norm_clip": False}},
+        )  # fmt: skip
+        losses.append([float(trainer.train_step(*batch)) for batch in batches])
+        if len(losses) == 1:
+            assert len(list(tmp_path.glob("*.onnx"))) == 1  # stored after the first trainer's export
+            monkeypatch.setattr(os, "fork", _no_fork)  # the second trainer must not export at all
+    assert losses[0] == losses[1]
+
+
+def _no_fork():
+    raise AssertionError("a graph the cache holds was exported again")
