@@ -21,6 +21,7 @@ import torch
 from ort_trainer import ORTModule, ORTTrainer, optim
 from ort_trainer.graph.autograd import TraceError, build_in_child, export_in_child
 from ort_trainer.graph.autograd._child_export import AUTO_BYTES, ENV
+from tests.module.test_ortmodule import _Kth  # an op without an ONNX translation
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,37 +75,30 @@ def test_a_trainer_whose_graphs_export_in_a_child_trains_the_same_and_never_impo
     assert here["exporter_imported"]
 
 
-class _Kth(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return torch.kthvalue(self.fc(x), 2, dim=1).values  # no ONNX translation
-
-
-def test_ortmodule_exports_in_a_child_train_as_pytorch_and_a_failed_export_says_what_it_said_here(monkeypatch):
-    monkeypatch.setenv(ENV, "1")
+def _mlp_and_reference() -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     reference = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def test_ortmodule_exports_in_a_child_train_as_pytorch_and_a_failed_export_says_what_it_said_here(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    model, reference = _mlp_and_reference()
     wrapped = ORTModule(model)
     x = torch.randn(5, 6)
     wrapped(x).square().sum().backward()
     reference(x).square().sum().backward()
     for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
-    with pytest.raises(TraceError, match=r"no ONNX translation for aten\.kthvalue\), called at .*test_child_export"):
+    with pytest.raises(TraceError, match=r"no ONNX translation for aten\.kthvalue\), called at .*test_ortmodule\.py"):
         ORTModule(_Kth())(torch.randn(3, 4))
 
 
 def test_a_trainer_exporting_in_a_child_trains_as_pytorch(monkeypatch):
     monkeypatch.setenv(ENV, "1")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    reference = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    reference.load_state_dict(model.state_dict())
+    model, reference = _mlp_and_reference()
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
     trainer = ORTTrainer(
         model, desc, optim.SGDConfig(lr=0.1), loss_fn=torch.nn.functional.cross_entropy,

@@ -132,18 +132,8 @@ def _known_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int | str, ..
     """(shape, element type) of every value whose every dim the exporter annotated, a symbolic dim as its
     expression (the exporter writes one expression for one size: ``s35*(s38 - 1)``), and of each
     ``ConstantOfShape(Shape(x))``: ``x``'s shape. What the rewrites of a symbolic graph compare shapes with."""
-    found = {}
+    found = _annotated_shapes(model)
     graph = model.graph
-    for info in (*graph.value_info, *graph.output, *graph.input):
-        tensor = info.type.tensor_type
-        if not tensor.HasField("shape"):
-            continue
-        dims = tensor.shape.dim
-        if all(d.HasField("dim_value") or d.HasField("dim_param") for d in dims):
-            found[info.name] = (
-                tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims),
-                tensor.elem_type,
-            )
     producers = {out: node for node in graph.node for out in node.output}
     for node in graph.node:
         if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx"):
@@ -156,15 +146,27 @@ def _known_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int | str, ..
 
 def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], int]]:
     """(static shape, element type) of every value the exporter annotated with a fully known shape."""
+    return {
+        name: (dims, elem)
+        for name, (dims, elem) in _annotated_shapes(model).items()
+        if all(isinstance(d, int) for d in dims)
+    }
+
+
+def _annotated_shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple[int | str, ...], int]]:
+    """(shape, element type) of every value whose every dim the exporter annotated: a size, or a symbolic dim's
+    expression."""
     found = {}
-    graph = model.graph
-    for info in (*graph.value_info, *graph.output, *graph.input):
+    for info in (*model.graph.value_info, *model.graph.output, *model.graph.input):
         tensor = info.type.tensor_type
         if not tensor.HasField("shape"):
             continue
         dims = tensor.shape.dim
-        if all(d.HasField("dim_value") for d in dims):
-            found[info.name] = (tuple(d.dim_value for d in dims), tensor.elem_type)
+        if all(d.HasField("dim_value") or d.HasField("dim_param") for d in dims):
+            found[info.name] = (
+                tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims),
+                tensor.elem_type,
+            )
     return found
 
 
