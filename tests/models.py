@@ -19,6 +19,17 @@ class MLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class KthValue(torch.nn.Module):
+    """A layer then ``torch.kthvalue``: an op with no ONNX translation, to see how an export failure is reported."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.kthvalue(self.fc(x), 2, dim=1).values  # no ONNX translation
+
+
 class CNN(torch.nn.Module):
     """Conv -> BatchNorm -> ReLU -> Linear: exercises running statistics."""
 

@@ -21,7 +21,7 @@ import torch
 from ort_trainer import ORTModule, ORTTrainer, optim
 from ort_trainer.graph.autograd import TraceError, build_in_child, export_in_child
 from ort_trainer.graph.autograd._child_export import AUTO_BYTES, ENV
-from tests.module.test_ortmodule import _Kth  # an op without an ONNX translation
+from tests.models import KthValue  # an op without an ONNX translation
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,8 +92,8 @@ def test_ortmodule_exports_in_a_child_train_as_pytorch_and_a_failed_export_says_
     reference(x).square().sum().backward()
     for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
-    with pytest.raises(TraceError, match=r"no ONNX translation for aten\.kthvalue\), called at .*test_ortmodule\.py"):
-        ORTModule(_Kth())(torch.randn(3, 4))
+    with pytest.raises(TraceError, match=r"no ONNX translation for aten\.kthvalue\), called at .*models\.py"):
+        ORTModule(KthValue())(torch.randn(3, 4))
 
 
 def test_a_trainer_exporting_in_a_child_trains_as_pytorch(monkeypatch):

@@ -18,7 +18,7 @@ from ort_trainer import ORTModule
 from ort_trainer.graph.autograd import TraceError
 from ort_trainer.runtime import DLPACK_ROUTE
 from tests.hf_tiny import tiny_gpt2_config
-from tests.models import CNN, MLP, TinyLM, cnn_batches, lm_batches, lm_loss, mlp_batches
+from tests.models import CNN, MLP, KthValue, TinyLM, cnn_batches, lm_batches, lm_loss, mlp_batches
 
 
 def _assert_grads_equal(module: torch.nn.Module, reference: torch.nn.Module, atol: float = 1e-6) -> None:
@@ -172,21 +172,12 @@ class _Branchy(torch.nn.Module):
         return y
 
 
-class _Kth(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return torch.kthvalue(self.fc(x), 2, dim=1).values  # no ONNX translation
-
-
 def test_what_cannot_run_in_onnx_runtime_raises_at_the_first_call_naming_the_line_and_the_way_out():
     x = torch.randn(3, 4)
     with pytest.raises(TraceError, match=r"_Branchy\.forward as one graph at .*test_ortmodule\.py:\d+ \(if y\.sum"):
         ORTModule(_Branchy())(x)
-    with pytest.raises(TraceError, match=r"no ONNX translation for aten\.kthvalue\), called at .*test_ortmodule\.py"):
-        ORTModule(_Kth())(x)
+    with pytest.raises(TraceError, match=r"no ONNX translation for aten\.kthvalue\), called at .*models\.py"):
+        ORTModule(KthValue())(x)
     with pytest.raises(TypeError, match="wraps a torch.nn.Module, got function"):
         ORTModule(lambda v: v)
 
