@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ort_trainer import ORTModule, ORTTrainer, optim
+from ort_trainer.engine.autograd import _build as autograd_build
 from ort_trainer.graph.autograd import TraceError, build_in_child, export_in_child
 from ort_trainer.graph.autograd._child_export import AUTO_BYTES, ENV
 from tests.models import KthValue  # an op without an ONNX translation
@@ -31,6 +32,11 @@ _RUN = textwrap.dedent(
     import json, sys
     import torch
     from ort_trainer import ORTTrainer, optim
+    from ort_trainer.engine.autograd import _build
+
+    traces = []  # the traces run in this process (a child's are counted in the child)
+    _trace_graph = _build.trace_graph
+    _build.trace_graph = lambda *args, **kwargs: traces.append(1) or _trace_graph(*args, **kwargs)
 
     class LM(torch.nn.Module):
         def __init__(self):
@@ -38,9 +44,10 @@ _RUN = textwrap.dedent(
             self.emb = torch.nn.Embedding(50, 16)
             self.mix = torch.nn.Linear(16, 16)
             self.head = torch.nn.Linear(16, 50)
+            self.register_buffer("offset", torch.tensor([3]))  # an integer buffer: a constant input of the graph
 
         def forward(self, ids):
-            return self.head(torch.tanh(self.mix(self.emb(ids))))
+            return self.head(torch.tanh(self.mix(self.emb((ids + self.offset) % 50))))
 
     def loss(logits, label):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 50), label.reshape(-1))
@@ -55,7 +62,13 @@ _RUN = textwrap.dedent(
         batch = [torch.randint(0, 50, (rows, length), generator=g) for _ in range(2)]
         losses.append(float(trainer.train_step(*batch)))
     losses.append(float(trainer.eval_step(*batch)))
-    print("RESULT " + json.dumps({"losses": losses, "exporter_imported": "onnxscript" in sys.modules}))
+    try:  # the label check the first training graph asks for
+        trainer.train_step(batch[0], torch.full_like(batch[1], 50))
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    result = {"losses": losses, "exporter_imported": "onnxscript" in sys.modules, "traces": len(traces)}
+    print("RESULT " + json.dumps({**result, "refused": refused}))
     """
 )
 
@@ -68,11 +81,14 @@ def _run(setting: str) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def test_a_trainer_whose_graphs_export_in_a_child_trains_the_same_and_never_imports_the_exporter():
+def test_a_trainer_whose_graphs_build_in_a_child_trains_the_same_and_never_traces_or_imports_the_exporter():
     in_child, here = _run("1"), _run("0")
     assert in_child["losses"] == here["losses"]  # bit for bit: the same graphs, three shapes and eval
     assert not in_child["exporter_imported"]  # onnxscript was imported by the children only
     assert here["exporter_imported"]
+    assert in_child["traces"] == 0 and here["traces"] >= 2  # the training and the eval graph traced in children
+    for run in (in_child, here):  # the label input a child found is checked here
+        assert re.search(r"label.*50", run["refused"]), run["refused"]
 
 
 def _mlp_and_reference() -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -186,8 +202,8 @@ def test_the_setting_is_checked_and_auto_sends_only_large_graphs(monkeypatch):
 
 
 def test_a_graph_exported_in_a_child_is_stored_in_the_cache_and_found_by_the_next_trainer(monkeypatch, tmp_path):
-    """The child's graph goes into the graph cache like any other (the process holds the cache's lock, the child only
-    exports), and the next trainer of the same model finds it: no export, the same numbers."""
+    """The child's graph goes into the graph cache like any other, and the next trainer of the same model finds it
+    (its child traces, hits and sends the cached graph back): no export, the same numbers."""
     monkeypatch.setenv(ENV, "1")
     monkeypatch.setenv("ORT_TRAINER_GRAPH_CACHE_DIR", str(tmp_path))
     desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])], "outputs": [("loss", [], True)]}
@@ -204,9 +220,10 @@ def test_a_graph_exported_in_a_child_is_stored_in_the_cache_and_found_by_the_nex
         losses.append([float(trainer.train_step(*batch)) for batch in batches])
         if len(losses) == 1:
             assert len(list(tmp_path.glob("*.onnx"))) == 1  # stored after the first trainer's export
-            monkeypatch.setattr(os, "fork", _no_fork)  # the second trainer must not export at all
+            # the second trainer must not export at all (its child inherits this; a failed child builds here)
+            monkeypatch.setattr(autograd_build, "graph_to_onnx", _no_export)
     assert losses[0] == losses[1]
 
 
-def _no_fork():
+def _no_export(*args, **kwargs):
     raise AssertionError("a graph the cache holds was exported again")

@@ -17,6 +17,7 @@ torch route, Megatron segments, and ``_internal_use.extra_postprocess`` (it edit
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,7 @@ from ort_trainer.graph import explain_trace_failure, onnx_model_parameters
 from ort_trainer.graph.autograd import (
     LOSS_SCALE_INPUT,
     GraphCache,
+    GraphNames,
     OnnxModule,
     Precision,
     SymbolicShapesError,
@@ -58,6 +60,7 @@ _log = logging.getLogger("ort_trainer")
 _ONNXBLOCK = "options={'utils': {'engine': 'onnxblock'}} (needs onnxruntime-training: docs/engines.md)"
 _DEFAULT_OPSET = 17  # the default of _internal_use.onnx_opset_version (config._sections.InternalUseOptions)
 _METADATA = "ort_trainer.traced"  # the finished graph's names, stored in the cached model (`TracedGraph.metadata`)
+_OUTCOME = "ort_trainer.build_outcome"  # what a build tells the builder (`_GraphBuilder._built`), never cached
 
 
 def check_autograd_supported(model: object, options: ORTTrainerOptions, desc: ModelDescription) -> None:
@@ -157,17 +160,42 @@ class _GraphBuilder:
 
     def graphs(self, feeds: Mapping[str, torch.Tensor] | None, training: bool) -> AutogradGraphs:
         """The graphs for ``feeds`` (None: the first inputs): traced, then loaded from the cache under the trace's
-        key (`exported_graph`), else exported and stored."""
+        key (`exported_graph`), else exported and stored. A model big enough to export in a child
+        (`export_in_child`) is traced in that child too: the trace's imports and heap (~40 MiB at BERT small, the
+        difference between its peak RSS and eager PyTorch's) then never join the training process either."""
         desc = self.desc
         inputs = [self.first_inputs[n] if feeds is None or n not in feeds else feeds[n] for n in desc.input_names]
+        if export_in_child([*self.trainable.values(), *self.frozen.values(), *inputs]):
+            model = build_in_child(lambda: self._built(inputs, training), "training" if training else "eval")
+        else:
+            model = self._built(inputs, training)
+        self._take(_popped_outcome(model), first_training=feeds is None and training)
+        names = GraphNames.from_json(_metadata(model)[_METADATA])
+        return AutogradGraphs(model, names, dict(zip(desc.input_names, inputs, strict=True)))
+
+    def _built(self, inputs: list[torch.Tensor], training: bool) -> onnx.ModelProto:
+        """Trace and export (or load) the graph of ``inputs``; what the builder learns from the trace rides in the
+        model's metadata (`_OUTCOME`), the one thing a child can send back: `_take` applies it."""
         traced, model = self.shapes.trace_and_export(
             lambda axes: self._trace(inputs, training, axes),
             lambda traced: exported_graph(traced, self.cache, training, self.precision),
         )
-        self._keep_constants(traced)
-        if feeds is None and training:
-            self.label_specs[:] = _label_specs(traced, desc)
-        return AutogradGraphs(model, traced.names(), dict(zip(desc.input_names, inputs, strict=True)))
+        outcome = {
+            "constants": self._constant_names(traced),
+            "labels": [dataclasses.asdict(spec) for spec in _label_specs(traced, self.desc)] if training else [],
+            "shapes": self.shapes.state(),
+        }
+        model.metadata_props.add(key=_OUTCOME, value=json.dumps(outcome))
+        return model
+
+    def _take(self, outcome: dict, first_training: bool) -> None:
+        """Apply a build's `_built` outcome here: the buffers its graph reads, its label inputs (from the first
+        training graph), which dims stay symbolic and which fallbacks were said."""
+        for name in outcome["constants"]:
+            self.constants.setdefault(name, self.store.buffers[name])
+        if first_training:
+            self.label_specs[:] = [LabelSpec(**spec) for spec in outcome["labels"]]
+        self.shapes.restore(outcome["shapes"])
 
     def explain(self, feeds: Mapping[str, torch.Tensor], error: Exception) -> Exception | None:
         """A failed run (a label out of range...) explained by PyTorch on the same inputs, naming the input."""
@@ -208,12 +236,16 @@ class _GraphBuilder:
             dynamic=axes,
         )
 
-    def _keep_constants(self, traced: TracedGraph) -> None:
-        """The module's buffers the graph reads beside the state (bound to the store's, `_buffer_input`)."""
+    def _constant_names(self, traced: TracedGraph) -> list[str]:
+        """The module's buffers the graph reads beside the state, each checked against the store's
+        (`_buffer_input`), which the session binds them to."""
         count = traced.state_count  # the state comes first (a cached graph's names then list its random inputs too)
+        found = []
         for name, value in zip(traced.input_names[:count], traced.sample_args[:count], strict=True):
             if name not in self.trainable and name not in self.frozen and name not in self.desc.input_names:
-                self.constants.setdefault(name, _buffer_input(self.store.buffers, name, value))
+                _buffer_input(self.store.buffers, name, value)
+                found.append(name)
+        return found
 
 
 def _label_specs(traced: TracedGraph, desc: ModelDescription) -> list[LabelSpec]:
@@ -273,6 +305,15 @@ class _Shapes:
                 f"{dim.where}): the autograd engine builds one graph per size of it",
             )
         return traced, model
+
+    def state(self) -> dict:
+        """What `restore` takes back (JSON): the dims kept symbolic and the fallbacks said."""
+        return {"axes": self.axes, "told": sorted(self._told)}
+
+    def restore(self, state: dict) -> None:
+        """Take the state a build in a child ended with (JSON turned the axes into strings)."""
+        self.axes = {name: {int(axis): label for axis, label in dims.items()} for name, dims in state["axes"].items()}
+        self._told.update(state["told"])
 
     def _tell(self, what: str, message: str) -> None:
         if what not in self._told:
@@ -335,6 +376,15 @@ def exported_graph(
 
 def _metadata(model: onnx.ModelProto) -> dict[str, str]:
     return {p.key: p.value for p in model.metadata_props}
+
+
+def _popped_outcome(model: onnx.ModelProto) -> dict:
+    """`_GraphBuilder._built`'s outcome, taken out of the model's metadata."""
+    props = model.metadata_props
+    index = next(i for i, prop in enumerate(props) if prop.key == _OUTCOME)
+    outcome = json.loads(props[index].value)
+    del props[index]
+    return outcome
 
 
 def _has_names(model: onnx.ModelProto) -> bool:

@@ -40,6 +40,7 @@ AUTO_BYTES = 16 << 20  # graph inputs of 16 MiB and more (4M float parameters) e
 
 _log = logging.getLogger("ort_trainer")
 _HEADER = struct.Struct("<Q")  # the JSON part's length, then the JSON, then the model's bytes
+_in_a_child = False  # True in a child of `build_in_child`
 
 
 def export_in_child(inputs: Sequence[object]) -> bool:
@@ -48,7 +49,7 @@ def export_in_child(inputs: Sequence[object]) -> bool:
     setting = os.environ.get(ENV, "auto").strip().lower()
     if setting not in ("auto", "1", "0"):
         raise ValueError(f"{ENV} must be auto, 1 or 0, got {os.environ[ENV]!r}")
-    if setting == "0" or not _fork_is_safe():
+    if setting == "0" or _in_a_child or not _fork_is_safe():  # a child builds in itself: no grandchild
         return False
     if setting == "1":
         return True
@@ -86,6 +87,8 @@ def build_in_child(build: Callable[[], onnx.ModelProto], what: str) -> onnx.Mode
 
 def _child(build: Callable[[], onnx.ModelProto], read_fd: int, write_fd: int) -> None:
     """Export, write the answer to ``write_fd``, and leave with ``os._exit`` (no exit handler of the parent's)."""
+    global _in_a_child
+    _in_a_child = True
     code = 1
     try:
         os.close(read_fd)
