@@ -19,6 +19,8 @@ import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ._gelu import gelu, gelu_backward_with
+
 __all__ = ["training_decompositions"]
 
 _aten = torch.ops.aten
@@ -46,6 +48,8 @@ def training_decompositions() -> dict:
     table[_aten.convolution_backward.default] = _convolution_backward
     table[_aten._weight_norm_interface_backward.default] = _weight_norm_backward
     table[_aten.copy.default] = _copy
+    table[_aten.gelu.default] = gelu  # forward and backward share one erf (`_gelu`)
+    table[_aten.gelu_backward.default] = gelu_backward_with(table[_aten.gelu_backward.default])
     table[_aten.slice_backward.default] = functools.partial(_slice_backward, table[_aten.slice_backward.default])
     return table
 
