@@ -18,6 +18,11 @@ frameworks are not fork-safe), or CUDA initialised here (a forked child cannot u
 any reason (the export's own error, a signal) is not trusted with an answer: the export then runs here, and
 returns or raises exactly as it always did. The child's warnings and the ``ort_trainer`` log records it makes
 are replayed here, where the user's filters and handlers are.
+
+`ORTTrainer`'s autograd engine forks before its trace (``engine.autograd._build._GraphBuilder.graphs``): the child
+traces, hits the cache or exports, and sends back the graph with what the trace taught the engine in its metadata,
+so the tracer's lazy imports and its heap (~27 MiB at BERT small) stay out of the process too. Inside a child,
+`export_in_child` says no: nothing forks twice.
 """
 
 from __future__ import annotations
