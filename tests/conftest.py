@@ -123,7 +123,7 @@ SLOW_TESTS = frozenset(
         # 65 s at load 6 (two fresh interpreters, each exporting two graphs); 16 s (three ORTModule exports in
         # children, each importing the exporter anew)
         "engine/test_child_export.py::"
-        "test_a_trainer_whose_graphs_export_in_a_child_trains_the_same_and_never_imports_the_exporter",
+        "test_a_trainer_whose_graphs_build_in_a_child_trains_the_same_and_never_traces_or_imports_the_exporter",
         "engine/test_child_export.py::"
         "test_ortmodule_exports_in_a_child_train_as_pytorch_and_a_failed_export_says_what_it_said_here",
         # 2 x 30 s (two ranks, a GPT-2 trace each)

@@ -6,7 +6,8 @@ as one aten graph (``make_fx`` over ``torch.autograd.grad``, in fake mode, with 
 and that joint graph is exported with the dynamo ONNX exporter into standard ONNX ops only. Any
 ``onnxruntime`` runs it, and its gradients are PyTorch's formulas (``padding_idx`` and friends included).
 
-* ``_decompositions``: the aten decompositions the graphs are traced with, and why each is needed;
+* ``_decompositions``: the aten decompositions the graphs are traced with, and why each is needed; ``_gelu``: the
+  exact GELU and its backward written with one shared ``erf`` (the export computes it once);
 * ``_trace``: `trace_graph`, the joint (training) or forward-only (eval) aten graph of a module + loss;
 * ``_precision``: `Precision`, mixed precision as PyTorch's (traced under ``torch.autocast``, the backward from
   ``loss * loss_scale``);
@@ -29,7 +30,8 @@ and that joint graph is exported with the dynamo ONNX exporter into standard ONN
   `TracedGraph.fingerprint`): a hit skips the export and its passes; `get_or_build`, the one way the trainer's
   engine and ORTModule use it;
 * ``_child_export``: `build_in_child`, an export in a forked child process (its memory never joins the training
-  process's), and `export_in_child`, when to ask for one (``ORT_TRAINER_EXPORT_IN_CHILD``, large graphs by default).
+  process's; the engine's trace runs there too), and `export_in_child`, when to ask for one
+  (``ORT_TRAINER_EXPORT_IN_CHILD``, large graphs by default).
 """
 
 from __future__ import annotations
