@@ -166,6 +166,8 @@ LATEST_TESTS = frozenset(
         "export/test_artifact_numbers.py::test_mlp_artifact_trains_as_the_trainer_for_20_steps_at_two_batch_sizes[adamw]",
         "export/test_artifact_round_trip.py::test_ten_steps_in_the_artifact_then_ten_in_the_trainer_equal_twenty_in_the_trainer[adamw]",
         "engine/test_aliased_inputs.py",
+        # the exact GELU's one shared erf: the newest exporter's common-subexpression pass must still merge it
+        "engine/test_gelu_graph.py::test_an_exact_gelu_computes_erf_once_and_trains_as_pytorch_at_two_batch_sizes",
     }
 )
 _TESTS = Path(__file__).parent
