@@ -61,7 +61,8 @@ def test_varlen_memory_splits_ort_trainer_s_rss_into_phases_and_a_cache_hit_skip
     assert set(results) == {"pytorch_sdpa", "cold", "hit"}
     for name in ("cold", "hit"):
         phases = results[name]["phases"]
-        assert list(phases) == ["setup", "store", "traced", "exported", "session", "first step", "steps"], phases
+        expected = ["setup", "store", "traced", "exported", "graph", "session", "first step", "steps"]
+        assert list(phases) == expected, phases  # a tiny model traces and exports in the process
         assert results[name]["peak"] >= max(phases.values()), results[name]
     cold, hit = results["cold"]["phases"], results["hit"]["phases"]
     assert cold["exported"] - cold["traced"] >= 20, cold  # the exporter's import and the export itself
